@@ -1,0 +1,51 @@
+#pragma once
+
+// Where a stage runs: the accepted spellings of a device and their checks.
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+namespace mpipe {
+
+/// The device argument of `ModelPipelineImpl::append`. Accepts
+///  - a `torch::Device`;
+///  - a string: "cpu", "cuda", "cuda:2", or a bare index "2" as the reference
+///    Python class takes it (meaning "cuda:2");
+///  - an integer GPU index (2 means "cuda:2").
+/// It is resolved and checked by `resolve_device`, which the pipeline calls
+/// when the stage is appended so that errors can name the stage.
+class DeviceArg {
+ public:
+  /* implicit */ DeviceArg(c10::Device device) : device_(device), has_device_(true) {}
+  /* implicit */ DeviceArg(c10::DeviceType type) : device_(type), has_device_(true) {}
+  /* implicit */ DeviceArg(std::string spec) : device_(c10::kCPU), spec_(std::move(spec)) {}
+  /* implicit */ DeviceArg(const char* spec) : DeviceArg(std::string(spec)) {}
+  /* implicit */ DeviceArg(int index) : DeviceArg(static_cast<int64_t>(index)) {}
+  /* implicit */ DeviceArg(int64_t index)
+      : device_(c10::kCPU), index_(index), has_index_(true) {}
+
+  /// How the user wrote it, for error messages.
+  std::string describe() const;
+
+ private:
+  friend c10::Device resolve_device(const DeviceArg& arg);
+  c10::Device device_;
+  std::string spec_;
+  int64_t index_ = -1;
+  bool has_device_ = false;
+  bool has_index_ = false;
+};
+
+/// Resolves `arg` to a concrete device with an index and checks that this
+/// process can use it: CPU always; CUDA only when LibTorch was built with CUDA
+/// and the index is below the visible device count. "cuda" without an index
+/// means the current CUDA device. Throws c10::Error with a message that says
+/// what was wrong and how to fix it.
+c10::Device resolve_device(const DeviceArg& arg);
+
+/// Number of CUDA devices this process sees (0 with a CPU-only LibTorch).
+int64_t cuda_device_count();
+
+}  // namespace mpipe

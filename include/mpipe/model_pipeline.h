@@ -1,0 +1,126 @@
+#pragma once
+
+// mpipe::ModelPipeline: a model split into stages, each on its own device and
+// stream, with micro-batches (forward) or time steps (constant_forward)
+// streamed through them. Design: Note [Pipeline runtime] in src/runtime.h and
+// docs/design.md.
+
+#include <mpipe/device.h>
+#include <mpipe/pipeline_options.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpipe {
+
+namespace detail {
+class Runtime;
+/// How the runtime calls a stage: one tensor in, one tensor out.
+using StageForward = std::function<at::Tensor(const at::Tensor&)>;
+
+template <typename M, typename = void>
+struct has_tensor_forward : std::false_type {};
+template <typename M>
+struct has_tensor_forward<
+    M, std::enable_if_t<std::is_convertible<
+           decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>())),
+           at::Tensor>::value>> : std::true_type {};
+}  // namespace detail
+
+class ModelPipelineImpl : public torch::nn::Module {
+ public:
+  explicit ModelPipelineImpl(ModelPipelineOptions options = {});
+  ~ModelPipelineImpl() override;
+  ModelPipelineImpl(const ModelPipelineImpl&) = delete;
+  ModelPipelineImpl& operator=(const ModelPipelineImpl&) = delete;
+
+  /// Appends a stage that runs after those already appended and moves it to
+  /// `device` (see DeviceArg for the accepted spellings). `module` is any module
+  /// whose forward takes and returns one tensor: a holder such as
+  /// torch::nn::Sequential or torch::nn::Linear, a std::shared_ptr to one, or an
+  /// AnyModule. The stage is registered as submodule "stages.<index>".
+  template <typename ModuleType>
+  ModelPipelineImpl& append(std::shared_ptr<ModuleType> module, const DeviceArg& device) {
+    static_assert(std::is_base_of<torch::nn::Module, ModuleType>::value,
+                  "mpipe::ModelPipeline::append takes a torch::nn::Module");
+    static_assert(detail::has_tensor_forward<ModuleType>::value,
+                  "mpipe::ModelPipeline::append: the stage's forward must take one tensor "
+                  "and return a tensor");
+    ModuleType* raw = module.get();
+    return append_stage(std::move(module),
+                        [raw](const at::Tensor& x) -> at::Tensor { return raw->forward(x); },
+                        device);
+  }
+  template <typename ModuleType>
+  ModelPipelineImpl& append(const torch::nn::ModuleHolder<ModuleType>& module,
+                            const DeviceArg& device) {
+    return append(module.ptr(), device);
+  }
+  ModelPipelineImpl& append(torch::nn::AnyModule module, const DeviceArg& device);
+
+  /// Splits `x` along dim 0 into micro-batches of `split_size` rows (the last
+  /// may be smaller; split_size >= batch gives one), streams them through the
+  /// stages as a fill-drain wavefront and returns their outputs concatenated
+  /// along dim 0, on the output device. Equal, in value and in gradients, to
+  /// running the stages one after another on the whole batch.
+  at::Tensor forward(const at::Tensor& x, int64_t split_size);
+
+  /// Runs the model T times on the same input `x`, time steps pipelined across
+  /// stages (stage j runs step t while stage j-1 runs step t+1). Each stage runs
+  /// exactly T times, steps in order, so stateful modules see what a plain loop
+  /// `for t < T: out += model(x)` shows them. reduce = true returns the sum of
+  /// the T outputs; reduce = false returns them concatenated along dim 0,
+  /// time-major ([T*N, ...]).
+  at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true);
+
+  /// Number of stages.
+  size_t size() const noexcept { return devices_.size(); }
+  bool is_empty() const noexcept { return devices_.empty(); }
+  /// Stage `index`'s module.
+  std::shared_ptr<torch::nn::Module> stage(size_t index) const;
+  /// The device stage `index` runs on.
+  c10::Device device(size_t index) const;
+  const std::vector<c10::Device>& devices() const noexcept { return devices_; }
+  /// Where forward's and constant_forward's results live: the last stage's device.
+  c10::Device output_device() const;
+
+  /// Note [Moving a pipeline]: a pipeline's placement is its point, so a move
+  /// of the whole pipeline to one device is refused unless every stage is
+  /// already there. Dtype casts are allowed and keep each stage on its device.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  /// Loads like Module::load, then puts each stage back on its device (an
+  /// archive may have been saved from, or mapped to, other devices).
+  void load(torch::serialize::InputArchive& archive) override;
+  void pretty_print(std::ostream& stream) const override;
+
+  ModelPipelineOptions options;
+
+ private:
+  ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
+                                  detail::StageForward forward, const DeviceArg& device);
+  void check_runnable(const char* method, const at::Tensor& x) const;
+  void check_placement_kept(c10::Device device, const char* what) const;
+
+  torch::nn::ModuleList stages_;
+  std::vector<detail::StageForward> forwards_;
+  std::vector<c10::Device> devices_;
+  std::unique_ptr<detail::Runtime> runtime_;
+  std::mutex call_mutex_;  // one forward at a time: stages' state must see calls in order
+};
+
+/// A holder for ModelPipelineImpl, as torch::nn's modules have.
+TORCH_MODULE(ModelPipeline);
+
+}  // namespace mpipe

@@ -1,0 +1,9 @@
+#pragma once
+
+// Everything mpipe offers, in one include.
+
+#include <mpipe/device.h>
+#include <mpipe/model_pipeline.h>
+#include <mpipe/pipeline_options.h>
+#include <mpipe/schedule.h>
+#include <mpipe/version.h>

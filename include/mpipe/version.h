@@ -1,0 +1,12 @@
+#pragma once
+
+// The one place the version is written; CMake reads it from here.
+#define MPIPE_VERSION_MAJOR 0
+#define MPIPE_VERSION_MINOR 1
+#define MPIPE_VERSION_PATCH 0
+
+#define MPIPE_STRINGIFY_(x) #x
+#define MPIPE_STRINGIFY(x) MPIPE_STRINGIFY_(x)
+#define MPIPE_VERSION_STRING          \
+  MPIPE_STRINGIFY(MPIPE_VERSION_MAJOR) \
+  "." MPIPE_STRINGIFY(MPIPE_VERSION_MINOR) "." MPIPE_STRINGIFY(MPIPE_VERSION_PATCH)

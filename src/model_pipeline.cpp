@@ -1,0 +1,169 @@
+#include "mpipe/model_pipeline.h"
+
+#include "runtime.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <ostream>
+
+namespace mpipe {
+
+ModelPipelineImpl::ModelPipelineImpl(ModelPipelineOptions options_)
+    : options(options_), runtime_(std::make_unique<detail::Runtime>()) {
+  stages_ = register_module("stages", torch::nn::ModuleList());
+}
+
+ModelPipelineImpl::~ModelPipelineImpl() = default;
+
+ModelPipelineImpl& ModelPipelineImpl::append(torch::nn::AnyModule module,
+                                             const DeviceArg& device) {
+  TORCH_CHECK(!module.is_empty(), "mpipe::ModelPipeline::append: stage ", size(),
+              " is an empty AnyModule");
+  std::shared_ptr<torch::nn::Module> ptr = module.ptr();
+  auto any = std::make_shared<torch::nn::AnyModule>(std::move(module));
+  return append_stage(
+      std::move(ptr), [any](const at::Tensor& x) { return any->forward(x); }, device);
+}
+
+ModelPipelineImpl& ModelPipelineImpl::append_stage(std::shared_ptr<torch::nn::Module> module,
+                                                   detail::StageForward forward,
+                                                   const DeviceArg& device) {
+  const size_t index = size();
+  TORCH_CHECK(module != nullptr, "mpipe::ModelPipeline::append: stage ", index,
+              " is a null module");
+  for (size_t i = 0; i < index; ++i) {
+    TORCH_CHECK(stages_->ptr(i) != module, "mpipe::ModelPipeline::append: stage ", index,
+                " is the same module object as stage ", i,
+                "; a module can be one stage only (two stages would share its state)");
+  }
+  c10::Device resolved = c10::kCPU;
+  try {
+    resolved = resolve_device(device);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "mpipe::ModelPipeline::append: stage ", index, ": ",
+                e.what_without_backtrace());
+  }
+  module->to(resolved);
+  runtime_->add_stage(resolved);
+  stages_->push_back(std::move(module));
+  forwards_.push_back(std::move(forward));
+  devices_.push_back(resolved);
+  return *this;
+}
+
+void ModelPipelineImpl::check_runnable(const char* method, const at::Tensor& x) const {
+  TORCH_CHECK(!is_empty(), "mpipe::ModelPipeline::", method,
+              ": the pipeline has no stages; add them with append(module, device)");
+  TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
+  TORCH_CHECK(x.dim() >= 1, "mpipe::ModelPipeline::", method,
+              ": the input needs a batch dimension (dim 0), got a 0-dim tensor");
+  TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::", method,
+              ": the input's batch is empty (size 0 along dim 0), shape ", x.sizes());
+}
+
+namespace {
+
+at::Tensor concat_items(const detail::Job& job, size_t n_stages) {
+  for (size_t i = 0; i < job.outputs.size(); ++i) {
+    TORCH_CHECK(job.outputs[i].dim() >= 1, "mpipe::ModelPipeline::", job.method, ": stage ",
+                n_stages - 1, " returned a 0-dim tensor at ", job.item_name, " ", i,
+                "; outputs are concatenated along dim 0, so each needs one",
+                job.reduce_sum ? "" : " (or use reduce = true)");
+  }
+  if (job.outputs.size() == 1) return job.outputs[0];
+  return at::cat(job.outputs, 0);
+}
+
+}  // namespace
+
+at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
+  check_runnable("forward", x);
+  TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::forward: split_size must be positive, got ",
+              split_size);
+  const std::vector<at::Tensor> chunks = x.split(split_size, 0);
+  detail::Job job;
+  job.method = "forward";
+  job.item_name = "micro-batch";
+  job.n_items = static_cast<int64_t>(chunks.size());
+  job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
+  {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    runtime_->execute(job, forwards_, options.worker_threads(), x);
+  }
+  return concat_items(job, size());
+}
+
+at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, bool reduce) {
+  check_runnable("constant_forward", x);
+  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
+              "must be positive, got ", T);
+  detail::Job job;
+  job.method = "constant_forward";
+  job.item_name = "time step";
+  job.n_items = T;
+  job.same_input = true;
+  job.reduce_sum = reduce;
+  job.source = [&x](int64_t) { return x; };
+  {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    runtime_->execute(job, forwards_, options.worker_threads(), x);
+  }
+  if (reduce) return job.outputs[0];
+  return concat_items(job, size());
+}
+
+std::shared_ptr<torch::nn::Module> ModelPipelineImpl::stage(size_t index) const {
+  TORCH_CHECK_INDEX(index < size(), "mpipe::ModelPipeline::stage: index ", index,
+                    " is out of range for a pipeline of ", size(), " stage(s)");
+  return stages_->ptr(index);
+}
+
+c10::Device ModelPipelineImpl::device(size_t index) const {
+  TORCH_CHECK_INDEX(index < size(), "mpipe::ModelPipeline::device: index ", index,
+                    " is out of range for a pipeline of ", size(), " stage(s)");
+  return devices_[index];
+}
+
+c10::Device ModelPipelineImpl::output_device() const {
+  TORCH_CHECK(!is_empty(), "mpipe::ModelPipeline::output_device: the pipeline has no stages");
+  return devices_.back();
+}
+
+void ModelPipelineImpl::check_placement_kept(c10::Device device, const char* what) const {
+  for (size_t i = 0; i < size(); ++i) {
+    const bool same = devices_[i].type() == device.type() &&
+                      (!device.has_index() || devices_[i].index() == device.index());
+    TORCH_CHECK(same, "mpipe::ModelPipeline::", what, "(", device,
+                "): this would move every stage to one device and undo the pipeline's "
+                "placement (stage ", i, " is on ", devices_[i],
+                "). Cast dtypes with to(dtype), which keeps each stage on its device, or "
+                "append the stages to a new pipeline on the devices you want");
+  }
+}
+
+void ModelPipelineImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  check_placement_kept(device, "to");
+  torch::nn::Module::to(dtype, non_blocking);
+}
+
+void ModelPipelineImpl::to(torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(dtype, non_blocking);
+}
+
+void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
+  check_placement_kept(device, "to");
+}
+
+void ModelPipelineImpl::load(torch::serialize::InputArchive& archive) {
+  torch::nn::Module::load(archive);
+  for (size_t i = 0; i < size(); ++i) stages_->ptr(i)->to(devices_[i]);
+}
+
+void ModelPipelineImpl::pretty_print(std::ostream& stream) const {
+  stream << "mpipe::ModelPipeline(devices=[";
+  for (size_t i = 0; i < size(); ++i) stream << (i ? ", " : "") << devices_[i];
+  stream << "])";
+}
+
+}  // namespace mpipe

@@ -1,0 +1,273 @@
+#include "runtime.h"
+
+#include "mpipe/schedule.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace mpipe {
+namespace detail {
+
+namespace {
+
+c10::Stream pool_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+}
+
+c10::Stream current_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
+
+/// record_stream: `t`'s memory is in use on `stream` (see Note [Pipeline runtime]).
+void record_on(const at::Tensor& t, const c10::Stream& stream) {
+  if (!t.defined() || !t.has_storage() || t.device().is_cpu()) return;
+  c10::impl::VirtualGuardImpl(t.device().type()).recordDataPtrOnStream(t.storage().data_ptr(),
+                                                                       stream);
+}
+
+std::shared_ptr<c10::Event> record_event(const c10::Stream& stream) {
+  auto event = std::make_shared<c10::Event>(stream.device_type());
+  event->record(stream);
+  return event;
+}
+
+}  // namespace
+
+struct Runtime::Stage {
+  c10::Device device;
+  c10::optional<c10::Stream> compute;  // none for CPU stages
+  // Copies from the previous stage's device, when that is another accelerator.
+  c10::optional<c10::Stream> copy_in;
+};
+
+class Runtime::Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(fn));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();  // tasks catch their own errors (Runtime::task)
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members above exist
+};
+
+/// State shared by one threaded call's tasks; tasks hold it by shared_ptr so it
+/// outlives the last of them however the caller returns.
+struct Runtime::Call {
+  Job* job;
+  const std::vector<StageForward>* forwards;
+  std::shared_ptr<c10::Event> entry;
+  at::ThreadLocalState tls;
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::condition_variable cv;
+  int64_t finished = 0;
+  std::exception_ptr error;
+};
+
+Runtime::Runtime() = default;
+Runtime::~Runtime() = default;
+
+void Runtime::add_stage(c10::Device device) {
+  Stage stage{device, c10::nullopt, c10::nullopt};
+  if (!device.is_cpu()) stage.compute = pool_stream(device);
+  if (!stages_.empty()) {
+    const c10::Device prev = stages_.back().device;
+    if (!prev.is_cpu() && prev != device) stage.copy_in = pool_stream(prev);
+  }
+  stages_.push_back(stage);
+}
+
+at::Tensor Runtime::receive(Handoff in, int64_t stage_index) {
+  const Stage& stage = stages_[stage_index];
+  at::Tensor value = std::move(in.value);
+  const c10::Device src = value.device();
+  if (src == stage.device) {
+    if (stage.compute) {
+      if (in.ready) in.ready->block(*stage.compute);
+      record_on(value, *stage.compute);
+    }
+    return value;
+  }
+  if (src.is_cpu()) {
+    c10::StreamGuard guard(*stage.compute);
+    return value.to(stage.device, /*non_blocking=*/true);
+  }
+  const c10::Stream copy =
+      stage.copy_in && stage.copy_in->device() == src ? *stage.copy_in : pool_stream(src);
+  if (in.ready) in.ready->block(copy);
+  if (stage.device.is_cpu()) {
+    c10::StreamGuard guard(copy);
+    return value.to(stage.device, /*non_blocking=*/false);
+  }
+  const c10::Stream streams[] = {copy, *stage.compute};
+  c10::MultiStreamGuard guard(streams);
+  at::Tensor out = value.to(stage.device, /*non_blocking=*/true);
+  record_on(value, copy);
+  return out;
+}
+
+Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
+                          int64_t stage_index, int64_t item, Handoff in,
+                          const std::shared_ptr<c10::Event>& entry) {
+  const Stage& stage = stages_[stage_index];
+  const bool last = stage_index + 1 == static_cast<int64_t>(stages_.size());
+  at::Tensor input;
+  if (stage_index == 0) {
+    if (job.same_input && item > 0) {
+      input = job.received_input;
+    } else {
+      input = receive(Handoff{job.source(item), entry}, 0);
+      if (job.same_input) job.received_input = input;
+    }
+  } else {
+    input = receive(std::move(in), stage_index);
+  }
+
+  c10::OptionalStreamGuard guard(stage.compute);
+  at::Tensor output = forwards[stage_index](input);
+  TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
+  if (last) {
+    if (!job.reduce_sum) {
+      job.outputs[item] = output;
+    } else {
+      job.outputs[0] = item == 0 ? output : job.outputs[0] + output;
+    }
+    return Handoff{};
+  }
+  Handoff out{std::move(output), nullptr};
+  if (stage.compute) out.ready = record_event(*stage.compute);
+  return out;
+}
+
+std::exception_ptr Runtime::describe_failure(const Job& job, int64_t stage_index,
+                                             int64_t item) const {
+  std::string what;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "unknown exception";
+  }
+  try {
+    TORCH_CHECK(false, "mpipe::ModelPipeline::", job.method, ": stage ", stage_index, " (on ",
+                stages_[stage_index].device, ") failed at ", job.item_name, " ", item, " of ",
+                job.n_items, ": ", what);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;  // unreachable
+}
+
+void Runtime::task(const std::shared_ptr<Call>& call, int64_t stage_index, int64_t item,
+                   Handoff in) {
+  Handoff out;
+  if (!call->failed.load(std::memory_order_acquire)) {
+    try {
+      at::ThreadLocalStateGuard tls_guard(call->tls);
+      out = run_task(*call->job, *call->forwards, stage_index, item, std::move(in), call->entry);
+    } catch (...) {
+      std::exception_ptr error = describe_failure(*call->job, stage_index, item);
+      std::lock_guard<std::mutex> lock(call->mutex);
+      if (!call->error) call->error = error;
+      call->failed.store(true, std::memory_order_release);
+    }
+  }
+  if (stage_index + 1 < static_cast<int64_t>(stages_.size())) {
+    workers_[stage_index + 1]->push([this, call, stage_index, item, out] {
+      task(call, stage_index + 1, item, out);
+    });
+  } else {
+    std::lock_guard<std::mutex> lock(call->mutex);
+    if (++call->finished == call->job->n_items) call->cv.notify_all();
+  }
+}
+
+void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool threaded,
+                      const at::Tensor& input) {
+  TORCH_INTERNAL_ASSERT(forwards.size() == stages_.size());
+  TORCH_INTERNAL_ASSERT(job.n_items > 0 && !stages_.empty());
+  const int64_t n_stages = static_cast<int64_t>(stages_.size());
+  job.outputs.assign(job.reduce_sum ? 1 : static_cast<size_t>(job.n_items), at::Tensor());
+  job.received_input = at::Tensor();
+
+  std::shared_ptr<c10::Event> entry;
+  if (!input.device().is_cpu()) entry = record_event(current_stream(input.device()));
+
+  if (threaded) {
+    while (workers_.size() < stages_.size()) workers_.push_back(std::make_unique<Worker>());
+    auto call = std::make_shared<Call>();
+    call->job = &job;
+    call->forwards = &forwards;
+    call->entry = entry;
+    for (int64_t i = 0; i < job.n_items; ++i) {
+      workers_[0]->push([this, call, i] { task(call, 0, i, Handoff{}); });
+    }
+    std::unique_lock<std::mutex> lock(call->mutex);
+    call->cv.wait(lock, [&] { return call->finished == job.n_items; });
+    if (call->error) std::rethrow_exception(call->error);
+  } else {
+    std::vector<Handoff> in_flight(static_cast<size_t>(job.n_items));
+    for (const auto& clock : schedule::fill_drain(job.n_items, n_stages)) {
+      for (const auto& t : clock) {
+        try {
+          in_flight[t.index] =
+              run_task(job, forwards, t.stage, t.index, std::move(in_flight[t.index]), entry);
+        } catch (...) {
+          std::rethrow_exception(describe_failure(job, t.stage, t.index));
+        }
+      }
+    }
+  }
+
+  const Stage& last = stages_.back();
+  if (last.compute) {
+    const c10::Stream caller = current_stream(last.device);
+    record_event(*last.compute)->block(caller);
+    for (const auto& t : job.outputs) record_on(t, caller);
+  }
+  job.received_input = at::Tensor();
+}
+
+}  // namespace detail
+}  // namespace mpipe

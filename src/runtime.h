@@ -1,0 +1,127 @@
+#pragma once
+
+// Private: the part of ModelPipeline that runs tasks on devices, streams and
+// worker threads.
+
+#include "mpipe/model_pipeline.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+// Note [Pipeline runtime]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Streams. Every stage on a CUDA device owns a compute stream taken from that
+// device's stream pool when the stage is appended, so stages that share a GPU
+// still get separate streams and can run concurrently. All of a stage's
+// kernels are launched with that stream current. CPU stages have no stream:
+// their work runs synchronously in the thread that runs the task.
+//
+// Hand-offs. A task's output travels to the next stage as a Handoff: the
+// tensor plus an event recorded on the producer's stream right after the
+// stage's forward. The consumer never synchronises a device or the host on it:
+//  - same device: the consumer's stream waits on the event, and the tensor's
+//    memory is recorded on the consumer's stream (record_stream) so the
+//    caching allocator cannot reuse it while the consumer still reads it;
+//  - CUDA -> other CUDA: the copy runs on a copy stream of the source device
+//    (one per stage boundary), which first waits on the event; the copy is
+//    made with the copy stream current on the source device and the
+//    consumer's stream current on the destination, so ATen's cross-device
+//    copy orders the consumer after the copy; the source tensor is recorded on
+//    the copy stream. The destination is allocated on the consumer's stream;
+//  - CPU -> CUDA: a non-blocking copy on the consumer's stream (pageable
+//    memory is staged before cudaMemcpyAsync returns; pinned memory is
+//    guarded by the host allocator's own events);
+//  - CUDA -> CPU: a blocking copy on a copy stream that first waits on the
+//    event: a CPU stage needs the values on the host before it can start.
+// The caller's input is handed to stage 0 the same way, with an event
+// recorded on the caller's current stream; at the end the caller's current
+// stream on the output device waits on the last stage's stream and the
+// outputs are recorded on it, so the caller can use them with no sync.
+//
+// Backward. Autograd runs each backward op on the stream its forward op ran
+// on and makes streams wait on each other where gradients cross them, so the
+// forward stream plan orders the backward pass too; mpipe adds nothing there.
+//
+// Threads. With worker_threads (the default) each stage has one worker
+// thread, owned by the pipeline and joined when it is destroyed. The caller
+// queues every item for stage 0; when a worker finishes (stage j, item i) it
+// queues (j + 1, i) for the next worker. Each worker runs its items in order,
+// so a stage sees micro-batches / time steps in order and the run follows the
+// fill-drain schedule (schedule::fill_drain) as a data flow, while the host
+// work of different stages (kernel launches, CPU compute) overlaps. Workers
+// run under the caller's thread-local state (grad mode, inference mode,
+// dispatch keys). The caller blocks on a condition variable only until every
+// task has been *issued* (never on the device). Without worker threads the
+// caller runs the tasks itself in fill_drain's clock order.
+//
+// Errors. A task that throws is caught in its worker; later tasks of the call
+// are skipped but still passed along, so every task finishes and no worker is
+// left waiting; the caller then rethrows a c10::Error that names the stage,
+// its device and the micro-batch or time step. The next call starts clean.
+
+/// A stage's output on its way to the next stage.
+struct Handoff {
+  at::Tensor value;
+  /// Recorded on the producing stream once `value` is computed; null when
+  /// `value` is ready on the host.
+  std::shared_ptr<c10::Event> ready;
+};
+
+/// One call's work.
+struct Job {
+  const char* method = "";     // "forward", "constant_forward": for messages
+  const char* item_name = "";  // "micro-batch", "time step"
+  int64_t n_items = 0;
+  /// Stage 0's input for item i, on the caller's device.
+  std::function<at::Tensor(int64_t)> source;
+  /// Every item has the same input: stage 0 receives it once.
+  bool same_input = false;
+  /// Sum the last stage's outputs into outputs[0] instead of keeping each.
+  bool reduce_sum = false;
+  /// The last stage's outputs (one per item, or one sum), usable on the
+  /// caller's current stream once execute() returns.
+  std::vector<at::Tensor> outputs;
+  /// Stage 0's input when same_input, once received.
+  at::Tensor received_input;
+};
+
+class Runtime {
+ public:
+  Runtime();
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  /// Prepares streams for a stage appended on `device`.
+  void add_stage(c10::Device device);
+
+  /// Runs `job` through `forwards` (one per stage). `input` is the caller's
+  /// tensor (for the entry event). Throws c10::Error naming stage and item.
+  void execute(Job& job, const std::vector<StageForward>& forwards, bool threaded,
+               const at::Tensor& input);
+
+ private:
+  struct Stage;
+  struct Call;
+  class Worker;
+
+  Handoff run_task(Job& job, const std::vector<StageForward>& forwards, int64_t stage,
+                   int64_t item, Handoff in, const std::shared_ptr<c10::Event>& entry);
+  at::Tensor receive(Handoff in, int64_t stage);
+  void task(const std::shared_ptr<Call>& call, int64_t stage, int64_t item, Handoff in);
+  std::exception_ptr describe_failure(const Job& job, int64_t stage, int64_t item) const;
+
+  std::vector<Stage> stages_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace detail
+}  // namespace mpipe

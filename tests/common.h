@@ -1,0 +1,137 @@
+#pragma once
+
+// Shared helpers for mpipe's tests: small models, plain (unpipelined)
+// references, and gradient snapshots.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mpipe/mpipe.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace mpipe_test {
+
+/// Skips the test unless `n` CUDA devices are visible.
+#define MPIPE_REQUIRE_CUDA(n)                                                        \
+  do {                                                                                \
+    if (mpipe::cuda_device_count() < (n))                                             \
+      GTEST_SKIP() << "needs " << (n) << " CUDA device(s), "                          \
+                   << mpipe::cuda_device_count() << " visible";                       \
+  } while (0)
+
+/// A stage of Linear + Tanh layers (smooth, so gradients are informative).
+inline torch::nn::Sequential mlp_stage(int64_t in, int64_t out, int64_t layers = 2) {
+  torch::nn::Sequential seq;
+  for (int64_t l = 0; l < layers; ++l) {
+    seq->push_back(torch::nn::Linear(l == 0 ? in : out, out));
+    seq->push_back(torch::nn::Tanh());
+  }
+  return seq;
+}
+
+/// A stateful stage: a leaky accumulator v = decay * v + W x, output tanh(v).
+/// Its result depends on every earlier call since reset_state().
+struct LeakyImpl : torch::nn::Module {
+  explicit LeakyImpl(int64_t width, double decay = 0.5) : decay(decay) {
+    fc = register_module("fc", torch::nn::Linear(width, width));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    torch::Tensor h = fc(x);
+    v = v.defined() ? v * decay + h : h;
+    return torch::tanh(v);
+  }
+  void reset_state() { v = torch::Tensor(); }
+  torch::nn::Linear fc{nullptr};
+  double decay;
+  torch::Tensor v;
+  int64_t calls = 0;
+};
+TORCH_MODULE(Leaky);
+
+/// Records the first value of every input it sees, then passes it on.
+struct RecorderImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen.push_back(x.reshape(-1)[0].item<double>());
+    return x;
+  }
+  std::vector<double> seen;
+};
+TORCH_MODULE(Recorder);
+
+/// Throws when it sees its `fail_at`-th call (counting from 0) since reset.
+struct FailingImpl : torch::nn::Module {
+  explicit FailingImpl(int64_t fail_at) : fail_at(fail_at) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (calls++ == fail_at) TORCH_CHECK(false, "planted failure");
+    return x * 2;
+  }
+  int64_t fail_at;
+  int64_t calls = 0;
+};
+TORCH_MODULE(Failing);
+
+/// Runs `modules` one after another on the whole batch, moving the activation
+/// to each stage's device, as a user would without mpipe.
+template <typename Modules>
+torch::Tensor plain_forward(Modules modules, const std::vector<torch::Device>& devices,
+                            torch::Tensor x) {
+  for (size_t i = 0; i < modules.size(); ++i) x = modules[i]->forward(x.to(devices[i]));
+  return x;
+}
+
+/// Gradients of every parameter, by name, copied to the CPU.
+inline std::map<std::string, torch::Tensor> grads_of(const torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : m.named_parameters()) {
+    out[p.key()] = p.value().grad().defined() ? p.value().grad().detach().cpu().clone()
+                                             : torch::Tensor();
+  }
+  return out;
+}
+
+inline void zero_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters()) {
+    if (p.grad().defined()) p.mutable_grad() = torch::Tensor();
+  }
+}
+
+inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, double tol = 1e-10,
+                         const std::string& what = "") {
+  ASSERT_TRUE(a.defined()) << what;
+  ASSERT_TRUE(b.defined()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const double diff = (a.cpu().to(torch::kDouble) - b.cpu().to(torch::kDouble)).abs().max()
+                          .item<double>();
+  EXPECT_LE(diff, tol) << what << ": max |a - b| = " << diff;
+}
+
+inline void expect_same_grads(const std::map<std::string, torch::Tensor>& a,
+                              const std::map<std::string, torch::Tensor>& b,
+                              double tol = 1e-10) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& kv : a) {
+    auto it = b.find(kv.first);
+    ASSERT_NE(it, b.end()) << kv.first;
+    expect_close(kv.second, it->second, tol, "grad of " + kv.first);
+  }
+}
+
+/// Expects `stmt` to throw c10::Error whose message contains every piece.
+#define MPIPE_EXPECT_ERROR(stmt, ...)                                             \
+  do {                                                                              \
+    try {                                                                           \
+      stmt;                                                                         \
+      ADD_FAILURE() << "expected c10::Error from: " #stmt;                          \
+    } catch (const c10::Error& e_) {                                                \
+      const std::string msg_ = e_.what_without_backtrace();                         \
+      for (const std::string& piece_ : std::vector<std::string>{__VA_ARGS__})        \
+        EXPECT_NE(msg_.find(piece_), std::string::npos)                             \
+            << "message lacks \"" << piece_ << "\": " << msg_;                      \
+    }                                                                               \
+  } while (0)
+
+}  // namespace mpipe_test
