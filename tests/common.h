@@ -120,6 +120,27 @@ inline void expect_same_grads(const std::map<std::string, torch::Tensor>& a,
   }
 }
 
+/// The transparency check: runs `through_pipeline` and `plain` on separate
+/// copies of `x`, backpropagates sum(y^2) through each, and expects equal
+/// outputs, gradients of x, and gradients of every parameter of `model`.
+template <typename PipeFn, typename PlainFn>
+void expect_transparent(torch::nn::Module& model, const torch::Tensor& x,
+                        PipeFn through_pipeline, PlainFn plain, double tol = 1e-12) {
+  auto x1 = x.detach().clone().requires_grad_();
+  torch::Tensor y1 = through_pipeline(x1);
+  y1.pow(2).sum().backward();
+  auto pipe_grads = grads_of(model);
+  zero_grads(model);
+
+  auto x2 = x.detach().clone().requires_grad_();
+  torch::Tensor y2 = plain(x2);
+  y2.pow(2).sum().backward();
+  expect_close(y1, y2, tol, "output");
+  expect_close(x1.grad(), x2.grad(), tol, "grad of x");
+  expect_same_grads(pipe_grads, grads_of(model), tol);
+  zero_grads(model);
+}
+
 /// Expects `stmt` to throw c10::Error whose message contains every piece.
 #define MPIPE_EXPECT_ERROR(stmt, ...)                                             \
   do {                                                                              \
