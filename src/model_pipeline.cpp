@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <ostream>
+#include <string>
 
 namespace mpipe {
 
@@ -56,6 +57,15 @@ void ModelPipelineImpl::check_runnable(const char* method, const at::Tensor& x) 
   TORCH_CHECK(!is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
   TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
+  if (std::string(method) == "sequence_forward") {
+    TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::sequence_forward: x_seq must be [T, N, ...] "
+                "(time, then batch), got shape ", x.sizes());
+    TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::sequence_forward: the sequence has no time "
+                "steps (T = 0), shape ", x.sizes());
+    TORCH_CHECK(x.size(1) > 0, "mpipe::ModelPipeline::sequence_forward: the batch is empty "
+                "(size 0 along dim 1), shape ", x.sizes());
+    return;
+  }
   TORCH_CHECK(x.dim() >= 1, "mpipe::ModelPipeline::", method,
               ": the input needs a batch dimension (dim 0), got a 0-dim tensor");
   TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::", method,
@@ -64,12 +74,15 @@ void ModelPipelineImpl::check_runnable(const char* method, const at::Tensor& x) 
 
 namespace {
 
-at::Tensor concat_items(const detail::Job& job, size_t n_stages) {
+/// The last stage's kept outputs as one tensor (see Job::stack_outputs).
+at::Tensor gather_items(const detail::Job& job, size_t n_stages) {
+  if (job.reduce_sum) return job.outputs[0];
+  if (job.stack_outputs) return at::stack(job.outputs, 0);
   for (size_t i = 0; i < job.outputs.size(); ++i) {
     TORCH_CHECK(job.outputs[i].dim() >= 1, "mpipe::ModelPipeline::", job.method, ": stage ",
                 n_stages - 1, " returned a 0-dim tensor at ", job.item_name, " ", i,
                 "; outputs are concatenated along dim 0, so each needs one",
-                job.reduce_sum ? "" : " (or use reduce = true)");
+                job.micro_batched ? "" : " (or use reduce = true)");
   }
   if (job.outputs.size() == 1) return job.outputs[0];
   return at::cat(job.outputs, 0);
@@ -86,12 +99,13 @@ at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
   job.method = "forward";
   job.item_name = "micro-batch";
   job.n_items = static_cast<int64_t>(chunks.size());
+  job.micro_batched = true;
   job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
   {
     std::lock_guard<std::mutex> lock(call_mutex_);
     runtime_->execute(job, forwards_, options.worker_threads(), x);
   }
-  return concat_items(job, size());
+  return gather_items(job, size());
 }
 
 at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, bool reduce) {
@@ -109,8 +123,23 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
     std::lock_guard<std::mutex> lock(call_mutex_);
     runtime_->execute(job, forwards_, options.worker_threads(), x);
   }
-  if (reduce) return job.outputs[0];
-  return concat_items(job, size());
+  return gather_items(job, size());
+}
+
+at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce) {
+  check_runnable("sequence_forward", x_seq);
+  detail::Job job;
+  job.method = "sequence_forward";
+  job.item_name = "time step";
+  job.n_items = x_seq.size(0);
+  job.reduce_sum = reduce;
+  job.stack_outputs = true;
+  job.source = [&x_seq](int64_t t) { return x_seq.select(0, t); };
+  {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    runtime_->execute(job, forwards_, options.worker_threads(), x_seq);
+  }
+  return gather_items(job, size());
 }
 
 std::shared_ptr<torch::nn::Module> ModelPipelineImpl::stage(size_t index) const {

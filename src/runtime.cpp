@@ -1,6 +1,7 @@
 #include "runtime.h"
 
 #include "mpipe/schedule.h"
+#include "mpipe/state.h"
 
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/StreamGuard.h>
@@ -162,6 +163,7 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
   }
 
   c10::OptionalStreamGuard guard(stage.compute);
+  MicroBatchGuard micro_batch(job.micro_batched ? MicroBatch{item, job.n_items} : MicroBatch{});
   at::Tensor output = forwards[stage_index](input);
   TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
   if (last) {

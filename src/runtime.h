@@ -82,10 +82,17 @@ struct Job {
   int64_t n_items = 0;
   /// Stage 0's input for item i, on the caller's device.
   std::function<at::Tensor(int64_t)> source;
+  /// Items are micro-batches of one batch (forward): each stage call runs under
+  /// MicroBatchGuard{item, n_items}. Otherwise items are time steps of one
+  /// batch and run as micro-batch 0 of 1 (Note [Per-micro-batch state]).
+  bool micro_batched = false;
   /// Every item has the same input: stage 0 receives it once.
   bool same_input = false;
   /// Sum the last stage's outputs into outputs[0] instead of keeping each.
   bool reduce_sum = false;
+  /// How the kept outputs become one tensor: concatenated along dim 0
+  /// (forward, constant_forward) or stacked into [T, ...] (sequence_forward).
+  bool stack_outputs = false;
   /// The last stage's outputs (one per item, or one sum), usable on the
   /// caller's current stream once execute() returns.
   std::vector<at::Tensor> outputs;

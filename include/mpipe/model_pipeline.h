@@ -82,6 +82,13 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// time-major ([T*N, ...]).
   at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true);
 
+  /// Runs the model on a sequence `x_seq` of shape [T, N, ...] (e.g.
+  /// Poisson-encoded frames), step t on x_seq[t], with time steps pipelined
+  /// across stages as in constant_forward. Returns the per-step outputs stacked
+  /// as [T, N, ...], or their sum when reduce = true. Equal, in values and
+  /// gradients, to a plain loop over t.
+  at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false);
+
   /// Number of stages.
   size_t size() const noexcept { return devices_.size(); }
   bool is_empty() const noexcept { return devices_.empty(); }
@@ -92,6 +99,10 @@ class ModelPipelineImpl : public torch::nn::Module {
   const std::vector<c10::Device>& devices() const noexcept { return devices_; }
   /// Where forward's and constant_forward's results live: the last stage's device.
   c10::Device output_device() const;
+
+  /// Stateful modules in the stages keep one state per micro-batch of forward
+  /// (Note [Per-micro-batch state], mpipe/state.h); reset them all with
+  /// mpipe::reset_states(*pipeline).
 
   /// Note [Moving a pipeline]: a pipeline's placement is its point, so a move
   /// of the whole pipeline to one device is refused unless every stage is

@@ -1,0 +1,40 @@
+#pragma once
+
+// Encoding inputs as spikes and decoding spikes as rates.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace mpipe {
+namespace snn {
+
+/// Poisson (Bernoulli-per-step) encoding: 1 where uniform noise < x, else 0,
+/// in x's dtype. x holds firing probabilities, so every value must lie in
+/// [0, 1] (checked; the check reads one value back from the device).
+at::Tensor poisson_encode(const at::Tensor& x);
+
+/// poisson_encode as a module, e.g. the first layer of a pipeline's stage 0.
+/// Each call draws fresh spikes.
+class PoissonEncoderImpl : public torch::nn::Module {
+ public:
+  at::Tensor forward(const at::Tensor& x) { return poisson_encode(x); }
+};
+TORCH_MODULE(PoissonEncoder);
+
+/// Firing rate from spikes summed over T steps (constant_forward with
+/// reduce = true): summed / T.
+at::Tensor rate_from_sum(const at::Tensor& summed_spikes, int64_t T);
+
+/// Firing rate from a [T, N, ...] spike sequence (sequence_forward): the mean
+/// over dim 0.
+at::Tensor rate_from_sequence(const at::Tensor& spikes);
+
+/// The predicted class of each row: argmax of the rate over the last dim.
+at::Tensor predict(const at::Tensor& rate);
+
+/// Mean squared error between rates [N, C] and one-hot targets of `labels` [N].
+at::Tensor rate_mse_loss(const at::Tensor& rate, const at::Tensor& labels);
+
+}  // namespace snn
+}  // namespace mpipe

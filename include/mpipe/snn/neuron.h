@@ -1,0 +1,95 @@
+#pragma once
+
+// Spiking neurons in SpikingJelly's conventions. Each call is one time step:
+//   charge  IF:  v = v + x
+//           LIF: v = v + (x - (v - v_reset)) / tau    (decay_input, default)
+//                v = v - (v - v_reset) / tau + x       (otherwise)
+//   fire    s = step(v - v_threshold), surrogate gradient in backward
+//   reset   hard (v_reset a number): v = v * (1 - s) + v_reset * s
+//           soft (v_reset = nullopt): v = v - v_threshold * s
+// detach_reset uses s.detach() inside the reset. The membrane potential is
+// kept per micro-batch (Note [Per-micro-batch state] in mpipe/state.h), starts
+// at v_reset (0 for soft reset), follows the input's device and dtype, and is
+// cleared by reset_state() or mpipe::reset_states(model).
+
+#include <mpipe/snn/surrogate.h>
+#include <mpipe/state.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <ostream>
+#include <vector>
+
+namespace mpipe {
+namespace snn {
+
+struct IFNodeOptions {
+  TORCH_ARG(double, v_threshold) = 1.0;
+  /// A number for hard reset; std::nullopt for soft reset.
+  TORCH_ARG(std::optional<double>, v_reset) = 0.0;
+  TORCH_ARG(bool, detach_reset) = false;
+  TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
+};
+
+struct LIFNodeOptions {
+  /// Membrane time constant; must be > 1.
+  TORCH_ARG(double, tau) = 2.0;
+  TORCH_ARG(bool, decay_input) = true;
+  TORCH_ARG(double, v_threshold) = 1.0;
+  TORCH_ARG(std::optional<double>, v_reset) = 0.0;
+  TORCH_ARG(bool, detach_reset) = false;
+  TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
+};
+
+/// What IF and LIF share: state per micro-batch, fire, reset.
+class NeuronBase : public torch::nn::Module, public Stateful {
+ public:
+  /// One time step: charge with `x`, fire, reset; returns the spikes.
+  at::Tensor forward(const at::Tensor& x);
+  void reset_state() override { v_.clear(); }
+  /// Membrane potentials, one per micro-batch seen since the last reset.
+  const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
+
+ protected:
+  NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
+             bool detach_reset, Surrogate surrogate);
+  virtual at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const = 0;
+  void print_common(std::ostream& stream) const;
+
+  const char* name_;
+  double v_threshold_;
+  std::optional<double> v_reset_;
+  bool detach_reset_;
+  Surrogate surrogate_;
+
+ private:
+  PerMicroBatch<at::Tensor> v_;
+};
+
+class IFNodeImpl : public NeuronBase {
+ public:
+  explicit IFNodeImpl(IFNodeOptions options = {});
+  void pretty_print(std::ostream& stream) const override;
+  const IFNodeOptions options;
+
+ protected:
+  at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const override;
+};
+TORCH_MODULE(IFNode);
+
+class LIFNodeImpl : public NeuronBase {
+ public:
+  explicit LIFNodeImpl(LIFNodeOptions options = {});
+  void pretty_print(std::ostream& stream) const override;
+  const LIFNodeOptions options;
+
+ protected:
+  at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const override;
+};
+TORCH_MODULE(LIFNode);
+
+}  // namespace snn
+}  // namespace mpipe

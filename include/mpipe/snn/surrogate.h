@@ -1,0 +1,45 @@
+#pragma once
+
+// Surrogate gradients: the forward pass fires a spike (Heaviside step of
+// x = v - v_threshold), the backward pass uses the derivative of a smooth
+// function instead of the step's zero-almost-everywhere derivative.
+//   Sigmoid(alpha = 4): g(x) = sigmoid(alpha x),   g'(x) = alpha s (1 - s)
+//   ATan(alpha = 2):    g(x) = atan(pi/2 alpha x) / pi + 1/2,
+//                       g'(x) = alpha / (2 (1 + (pi/2 alpha x)^2))
+// (SpikingJelly's conventions.)
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace mpipe {
+namespace snn {
+
+class Surrogate {
+ public:
+  enum class Kind { Sigmoid, ATan };
+
+  /// The default: Sigmoid with alpha 4.
+  Surrogate() = default;
+  static Surrogate sigmoid(double alpha = 4.0) { return Surrogate(Kind::Sigmoid, alpha); }
+  static Surrogate atan(double alpha = 2.0) { return Surrogate(Kind::ATan, alpha); }
+
+  /// Spike: 1 where x >= 0, else 0 (x's dtype); gradient g'(x).
+  at::Tensor operator()(const at::Tensor& x) const;
+  /// The smooth function g whose derivative is the surrogate gradient.
+  at::Tensor smooth(const at::Tensor& x) const;
+  /// g'(x), as used in backward.
+  at::Tensor derivative(const at::Tensor& x) const;
+
+  Kind kind() const noexcept { return kind_; }
+  double alpha() const noexcept { return alpha_; }
+  std::string name() const;
+
+ private:
+  Surrogate(Kind kind, double alpha);
+  Kind kind_ = Kind::Sigmoid;
+  double alpha_ = 4.0;
+};
+
+}  // namespace snn
+}  // namespace mpipe

@@ -1,0 +1,341 @@
+// The SNN toolkit: surrogate gradients against finite differences, neuron
+// dynamics against independent reference loops, resets, per-micro-batch state
+// through a pipeline, sequence_forward, encoders and rate decoding.
+
+#include "common.h"
+
+#include <mpipe/snn.h>
+
+#include <cmath>
+
+using namespace mpipe_test;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::snn::IFNode;
+using mpipe::snn::IFNodeOptions;
+using mpipe::snn::LIFNode;
+using mpipe::snn::LIFNodeOptions;
+using mpipe::snn::Surrogate;
+
+TEST(Surrogate, ForwardIsTheStepAndBackwardMatchesFiniteDifferences) {
+  auto x = torch::linspace(-2.05, 2.05, 83, torch::kDouble);  // avoids 0 exactly
+  for (const Surrogate& s : {Surrogate::sigmoid(), Surrogate::sigmoid(1.5), Surrogate::atan(),
+                             Surrogate::atan(5.0)}) {
+    SCOPED_TRACE(s.name());
+    auto xg = x.clone().requires_grad_();
+    auto spikes = s(xg);
+    expect_close(spikes, x.ge(0).to(torch::kDouble), 0.0, "forward");
+    spikes.sum().backward();
+    // The gradient is g'(x), and g'(x) is the derivative of g (central differences).
+    const double h = 1e-6;
+    auto numeric = (s.smooth(x + h) - s.smooth(x - h)) / (2 * h);
+    expect_close(xg.grad(), numeric, 1e-7, "surrogate gradient vs finite differences");
+    expect_close(s.derivative(x), numeric, 1e-7, "derivative()");
+  }
+  // The documented closed forms at x = 0.
+  EXPECT_NEAR(Surrogate::sigmoid(4).derivative(torch::zeros({1}, torch::kDouble)).item<double>(),
+              1.0, 1e-12);
+  EXPECT_NEAR(Surrogate::atan(2).derivative(torch::zeros({1}, torch::kDouble)).item<double>(),
+              1.0, 1e-12);
+  MPIPE_EXPECT_ERROR(Surrogate::sigmoid(0.0), "alpha must be positive", "got 0");
+  MPIPE_EXPECT_ERROR(Surrogate::atan(-1.0), "got -1");
+}
+
+namespace {
+
+/// SpikingJelly's equations written out independently of mpipe's neurons.
+struct Reference {
+  bool lif;
+  double tau, v_threshold;
+  std::optional<double> v_reset;
+  bool decay_input, detach_reset;
+  Surrogate surrogate;
+
+  std::vector<torch::Tensor> run(const std::vector<torch::Tensor>& xs) const {
+    const double vr = v_reset.value_or(0.0);
+    torch::Tensor v = torch::full_like(xs[0], vr);
+    std::vector<torch::Tensor> out;
+    for (const auto& x : xs) {
+      if (!lif) {
+        v = v + x;
+      } else if (decay_input) {
+        v = v + (x - (v - vr)) / tau;
+      } else {
+        v = v - (v - vr) / tau + x;
+      }
+      auto spike = surrogate(v - v_threshold);
+      auto s = detach_reset ? spike.detach() : spike;
+      v = v_reset ? v * (1 - s) + *v_reset * s : v - v_threshold * s;
+      out.push_back(spike);
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST(Neurons, DynamicsAndGradientsMatchTheEquations) {
+  torch::manual_seed(0);
+  const int64_t T = 12;
+  for (bool lif : {false, true}) {
+    for (std::optional<double> v_reset : {std::optional<double>(0.0), std::optional<double>(-0.2),
+                                          std::optional<double>()}) {
+      for (bool decay_input : {true, false}) {
+        for (bool detach_reset : {false, true}) {
+          if (!lif && !decay_input) continue;  // IF has no decay
+          Reference ref{lif, 2.5, 0.8, v_reset, decay_input, detach_reset, Surrogate::atan()};
+          SCOPED_TRACE(std::string(lif ? "LIF" : "IF") + " v_reset=" +
+                       (v_reset ? std::to_string(*v_reset) : "soft") +
+                       " decay_input=" + std::to_string(decay_input) +
+                       " detach_reset=" + std::to_string(detach_reset));
+          torch::nn::AnyModule node;
+          if (lif) {
+            node = torch::nn::AnyModule(LIFNode(LIFNodeOptions()
+                                                    .tau(2.5)
+                                                    .v_threshold(0.8)
+                                                    .v_reset(v_reset)
+                                                    .decay_input(decay_input)
+                                                    .detach_reset(detach_reset)
+                                                    .surrogate(Surrogate::atan())));
+          } else {
+            node = torch::nn::AnyModule(IFNode(IFNodeOptions()
+                                                   .v_threshold(0.8)
+                                                   .v_reset(v_reset)
+                                                   .detach_reset(detach_reset)
+                                                   .surrogate(Surrogate::atan())));
+          }
+          auto w = torch::randn({T, 3, 4}, torch::kDouble);
+          auto run = [&](bool mine, torch::Tensor& grad) {
+            auto wg = w.clone().requires_grad_();
+            std::vector<torch::Tensor> xs;
+            for (int64_t t = 0; t < T; ++t) xs.push_back(wg[t] * 1.3);
+            std::vector<torch::Tensor> out;
+            if (mine) {
+              for (auto& x : xs) out.push_back(node.forward(x));
+            } else {
+              out = ref.run(xs);
+            }
+            auto spikes = torch::stack(out);
+            (spikes * torch::arange(1, T + 1, torch::kDouble).view({T, 1, 1})).sum().backward();
+            grad = wg.grad();
+            return spikes;
+          };
+          torch::Tensor g_mine, g_ref;
+          auto s_mine = run(true, g_mine);
+          auto s_ref = run(false, g_ref);
+          expect_close(s_mine, s_ref, 0.0, "spikes");
+          EXPECT_GT(s_mine.sum().item<double>(), 0.0) << "the test should make some spikes";
+          expect_close(g_mine, g_ref, 1e-12, "gradients through time");
+        }
+      }
+    }
+  }
+}
+
+TEST(Neurons, ResetStatesReachesEveryNeuronInATree) {
+  torch::nn::Sequential inner(torch::nn::Linear(3, 3), IFNode());
+  LIFNode lif;
+  IFNode last;
+  torch::nn::ModuleList model(inner, lif, torch::nn::Linear(3, 2), last);  // a tree
+  auto x = torch::randn({2, 3});
+  last(model[2]->as<torch::nn::Linear>()->forward(lif(inner->forward(x))));
+  ASSERT_EQ(lif->membrane_potentials().size(), 1u);
+  EXPECT_EQ(mpipe::reset_states(*model), 3);
+  EXPECT_TRUE(lif->membrane_potentials().empty());
+
+  // Through a pipeline too.
+  auto pipe = ModelPipeline();
+  pipe->append(torch::nn::Sequential(torch::nn::Linear(3, 3), IFNode()), "cpu")
+      .append(torch::nn::Sequential(torch::nn::Linear(3, 3), LIFNode()), "cpu");
+  pipe->constant_forward(x, 3);
+  EXPECT_EQ(mpipe::reset_states(*pipe), 2);
+}
+
+TEST(Neurons, StateFollowsDtypeAndWorksWithoutGradAndInEval) {
+  LIFNode node;
+  auto x = torch::full({2, 2}, 0.8);
+  node(x);
+  EXPECT_EQ(node->membrane_potentials()[0].scalar_type(), torch::kFloat);
+  auto y = node(x.to(torch::kDouble));  // the state converts
+  EXPECT_EQ(y.scalar_type(), torch::kDouble);
+  node->reset_state();
+
+  node->eval();
+  torch::NoGradGuard no_grad;
+  auto a = node(torch::full({1, 1}, 1.5));
+  auto b = node(torch::full({1, 1}, 1.5));
+  EXPECT_FALSE(a.requires_grad());
+  // LIF tau 2: v = 0.75 (no spike), then 0.75 + (1.5 - 0.75)/2 = 1.125 (spike).
+  EXPECT_EQ(a.item<float>(), 0.0f);
+  EXPECT_EQ(b.item<float>(), 1.0f);
+}
+
+TEST(Neurons, BadInputsAreRefusedClearly) {
+  IFNode node;
+  node(torch::zeros({2, 3}));
+  MPIPE_EXPECT_ERROR(node(torch::zeros({4, 3})), "IFNode", "[4, 3]", "[2, 3]",
+                     "mpipe::reset_states");
+  MPIPE_EXPECT_ERROR(node(torch::zeros({2, 3}, torch::kLong)), "floating point");
+  MPIPE_EXPECT_ERROR(LIFNode(LIFNodeOptions().tau(1.0)), "tau must be a finite number > 1",
+                     "got 1");
+  MPIPE_EXPECT_ERROR(IFNode(IFNodeOptions().v_threshold(NAN)), "v_threshold must be finite");
+}
+
+TEST(MicroBatchState, GuardNestsAndSlotsAreChecked) {
+  EXPECT_EQ(mpipe::current_micro_batch().index, 0);
+  EXPECT_EQ(mpipe::current_micro_batch().count, 1);
+  mpipe::PerMicroBatch<int> slots;
+  {
+    mpipe::MicroBatchGuard outer({2, 4});
+    slots.get() = 7;
+    {
+      mpipe::MicroBatchGuard inner({0, 4});
+      EXPECT_EQ(slots.get(), 0);
+    }
+    EXPECT_EQ(mpipe::current_micro_batch().index, 2);
+    EXPECT_EQ(slots.get(), 7);
+    EXPECT_EQ(slots.slots().size(), 4u);
+  }
+  EXPECT_EQ(mpipe::current_micro_batch().count, 1);
+  mpipe::MicroBatchGuard bad({5, 2});
+  MPIPE_EXPECT_ERROR(slots.get(), "micro-batch 5 of 2 is out of range");
+}
+
+namespace {
+
+class SnnPipeline : public ::testing::TestWithParam<bool> {};
+
+/// Two stages of [Linear, neuron] with state, and the same stages as one
+/// plain model.
+struct SpikingStages {
+  explicit SpikingStages(int64_t width) {
+    for (int i = 0; i < 3; ++i) {
+      torch::nn::Linear fc(width, width);
+      {
+        torch::NoGradGuard no_grad;  // strong enough to make the neurons fire
+        fc->weight.mul_(3);
+        fc->bias.fill_(0.6);
+      }
+      torch::nn::Sequential s(fc, LIFNode(LIFNodeOptions().surrogate(Surrogate::atan())));
+      s->to(torch::kDouble);
+      stages.push_back(s);
+    }
+  }
+  torch::Tensor plain(torch::Tensor x) {
+    for (auto& s : stages) x = s->forward(x);
+    return x;
+  }
+  void reset() {
+    for (auto& s : stages) mpipe::reset_states(*s);
+  }
+  std::vector<torch::nn::Sequential> stages;
+};
+
+}  // namespace
+
+TEST_P(SnnPipeline, MicroBatchesKeepTheirOwnStateForEverySplit) {
+  torch::manual_seed(4);
+  const int64_t width = 5, batch = 7, T = 6;
+  SpikingStages net(width);
+  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(GetParam()));
+  for (auto& s : net.stages) pipe->append(s, "cpu");
+  auto xs = torch::rand({T, batch, width}, torch::kDouble) * 3;
+  for (int64_t split : {1, 2, 3, 7}) {
+    SCOPED_TRACE("split " + std::to_string(split));
+    expect_transparent(
+        *pipe, xs,
+        [&](const torch::Tensor& in) {
+          net.reset();
+          std::vector<torch::Tensor> out;
+          for (int64_t t = 0; t < T; ++t) out.push_back(pipe->forward(in[t], split));
+          return torch::stack(out);
+        },
+        [&](const torch::Tensor& in) {
+          net.reset();
+          std::vector<torch::Tensor> out;
+          for (int64_t t = 0; t < T; ++t) out.push_back(net.plain(in[t]));
+          auto y = torch::stack(out);
+          const double rate = y.mean().item<double>();
+          EXPECT_TRUE(rate > 0.05 && rate < 0.95) << "spike rate " << rate << ": too few or "
+                                                  << "too many spikes make the test weak";
+          return y;
+        });
+  }
+}
+
+TEST_P(SnnPipeline, SequenceForwardMatchesAPlainLoop) {
+  torch::manual_seed(5);
+  const int64_t width = 4, batch = 3;
+  SpikingStages net(width);
+  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(GetParam()));
+  for (auto& s : net.stages) pipe->append(s, "cpu");
+  for (int64_t T : {1, 2, 5}) {
+    for (bool reduce : {false, true}) {
+      SCOPED_TRACE("T " + std::to_string(T) + " reduce " + std::to_string(reduce));
+      auto xs = torch::rand({T, batch, width}, torch::kDouble) * 3;
+      expect_transparent(
+          *pipe, xs,
+          [&](const torch::Tensor& in) {
+            net.reset();
+            auto y = pipe->sequence_forward(in, reduce);
+            EXPECT_EQ(y.dim(), reduce ? 2 : 3);
+            return y;
+          },
+          [&](const torch::Tensor& in) {
+            net.reset();
+            std::vector<torch::Tensor> out;
+            for (int64_t t = 0; t < T; ++t) out.push_back(net.plain(in[t]));
+            return reduce ? torch::stack(out).sum(0) : torch::stack(out);
+          });
+    }
+  }
+}
+
+TEST_P(SnnPipeline, SequenceForwardOrderAndErrors) {
+  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(GetParam()));
+  std::vector<Recorder> recorders(3);
+  for (auto& r : recorders) pipe->append(r, "cpu");
+  auto xs = torch::arange(4, torch::kDouble).view({4, 1, 1});
+  auto y = pipe->sequence_forward(xs);
+  expect_close(y, xs, 0.0);
+  for (auto& r : recorders) EXPECT_EQ(r->seen, (std::vector<double>{0, 1, 2, 3}));
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::zeros({4})), "[T, N, ...]", "[4]");
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::zeros({0, 2})), "no time steps");
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::zeros({3, 0})), "batch is empty");
+  pipe->append(Failing(2), "cpu");
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::zeros({4, 2})), "sequence_forward",
+                     "stage 3", "time step 2 of 4", "planted failure");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, SnnPipeline, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "Threads" : "Inline");
+                         });
+
+TEST(Encoding, PoissonEncoderFiresAtTheGivenRate) {
+  torch::manual_seed(6);
+  auto p = torch::full({200000}, 0.3);
+  auto s = mpipe::snn::poisson_encode(p);
+  EXPECT_TRUE(torch::logical_or(s.eq(0), s.eq(1)).all().item<bool>());
+  EXPECT_NEAR(s.mean().item<double>(), 0.3, 0.005);
+  EXPECT_EQ(mpipe::snn::poisson_encode(torch::zeros({100})).sum().item<double>(), 0.0);
+  EXPECT_EQ(mpipe::snn::poisson_encode(torch::ones({100})).sum().item<double>(), 100.0);
+  mpipe::snn::PoissonEncoder enc;
+  EXPECT_EQ(enc(torch::ones({2, 3})).sizes(), (torch::IntArrayRef{2, 3}));
+  MPIPE_EXPECT_ERROR(mpipe::snn::poisson_encode(torch::tensor({0.5, 1.5})), "[0, 1]", "1.5");
+  MPIPE_EXPECT_ERROR(mpipe::snn::poisson_encode(torch::tensor({-0.5, 0.5})), "-0.5");
+}
+
+TEST(Encoding, RateDecoding) {
+  auto summed = torch::tensor({{2.0, 4.0, 0.0}, {1.0, 0.0, 3.0}});
+  auto rate = mpipe::snn::rate_from_sum(summed, 4);
+  expect_close(rate, summed / 4, 0.0);
+  expect_close(mpipe::snn::predict(rate), torch::tensor({1, 2}), 0.0);
+  auto seq = torch::stack({summed, summed * 0});
+  expect_close(mpipe::snn::rate_from_sequence(seq), summed / 2, 0.0);
+  auto labels = torch::tensor({1, 0});
+  auto expected = ((rate - torch::tensor({{0.0, 1.0, 0.0}, {1.0, 0.0, 0.0}})).pow(2)).mean();
+  expect_close(mpipe::snn::rate_mse_loss(rate, labels), expected, 1e-7);
+  MPIPE_EXPECT_ERROR(mpipe::snn::rate_from_sum(summed, 0), "T must be positive");
+  MPIPE_EXPECT_ERROR(mpipe::snn::rate_mse_loss(rate, torch::tensor({1})), "labels [2]");
+}
