@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The main job: builds mpipe and runs the pipelined-MLP example on the GPU if
-# there is one, else on the CPU. Arguments go to the example (try --help).
+# The main job: installs what is missing, builds mpipe, and trains the spiking
+# network of examples/snn_fashion_mnist on Fashion-MNIST: the full run on the
+# GPU(s) if there are any, the quick form (a few minutes) on the CPU otherwise.
+# Arguments go to the example (try --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh >&2
-exec "${MPIPE_BUILD_DIR:-build}/examples/pipelined_mlp/pipelined_mlp" "$@"
+example="${MPIPE_BUILD_DIR:-build}/examples/snn_fashion_mnist/snn_fashion_mnist"
+[ $# -eq 0 ] && set -- --quick-on-cpu
+exec "$example" "$@"
