@@ -32,22 +32,24 @@ inline torch::nn::Sequential mlp_stage(int64_t in, int64_t out, int64_t layers =
   return seq;
 }
 
-/// A stateful stage: a leaky accumulator v = decay * v + W x, output tanh(v).
-/// Its result depends on every earlier call since reset_state().
-struct LeakyImpl : torch::nn::Module {
+/// A stateful stage written as a user would: a leaky accumulator
+/// v = decay * v + W x, output tanh(v). Its state is kept per micro-batch
+/// (mpipe::PerMicroBatch) and cleared by mpipe::reset_states.
+struct LeakyImpl : torch::nn::Module, mpipe::Stateful {
   explicit LeakyImpl(int64_t width, double decay = 0.5) : decay(decay) {
     fc = register_module("fc", torch::nn::Linear(width, width));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     ++calls;
     torch::Tensor h = fc(x);
+    torch::Tensor& v = state.get();
     v = v.defined() ? v * decay + h : h;
     return torch::tanh(v);
   }
-  void reset_state() { v = torch::Tensor(); }
+  void reset_state() override { state.clear(); }
   torch::nn::Linear fc{nullptr};
   double decay;
-  torch::Tensor v;
+  mpipe::PerMicroBatch<torch::Tensor> state;
   int64_t calls = 0;
 };
 TORCH_MODULE(Leaky);

@@ -4,6 +4,8 @@
 
 #include "common.h"
 
+#include <mpipe/snn.h>
+
 #ifdef MPIPE_TEST_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
 #endif
@@ -139,6 +141,21 @@ TEST(Cuda, LoadPutsStagesBackOnTheirDevices_CUDA) {
   EXPECT_EQ(other->stage(1)->parameters()[0].device(), torch::Device("cuda:0"));
   auto x = torch::randn({5, 3});
   expect_close(pipe->forward(x, 2), other->forward(x, 2), 1e-6);
+}
+
+TEST(Cuda, NeuronStateFollowsTheInputAcrossDevices_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  mpipe::snn::LIFNode node;
+  auto x = torch::full({2, 3}, 0.8);
+  auto a = node(x);                                 // v on the CPU
+  auto b = node(x.to(torch::Device("cuda:0")));     // v moves to cuda:0
+  EXPECT_TRUE(b.is_cuda());
+  EXPECT_TRUE(node->membrane_potentials()[0].is_cuda());
+  // Same as two steps on the CPU.
+  mpipe::snn::LIFNode ref;
+  ref(x);
+  expect_close(b, ref(x), 0.0);
+  expect_close(a, torch::zeros({2, 3}), 0.0);
 }
 
 #ifdef MPIPE_TEST_WITH_CUDA

@@ -263,6 +263,37 @@ TEST_P(SnnPipeline, MicroBatchesKeepTheirOwnStateForEverySplit) {
   }
 }
 
+TEST_P(SnnPipeline, UserWrittenStatefulModulesKeepStatePerMicroBatch) {
+  torch::manual_seed(9);
+  const int64_t width = 4, batch = 6, T = 4;
+  std::vector<Leaky> stages{Leaky(width, 0.5), Leaky(width, 0.8)};
+  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(GetParam()));
+  for (auto& s : stages) {
+    s->to(torch::kDouble);
+    pipe->append(s, "cpu");
+  }
+  std::vector<torch::Device> devices(2, torch::kCPU);
+  auto xs = torch::randn({T, batch, width}, torch::kDouble);
+  for (int64_t split : {1, 4, 6}) {
+    SCOPED_TRACE("split " + std::to_string(split));
+    expect_transparent(
+        *pipe, xs,
+        [&](const torch::Tensor& in) {
+          EXPECT_EQ(mpipe::reset_states(*pipe), 2);
+          std::vector<torch::Tensor> out;
+          for (int64_t t = 0; t < T; ++t) out.push_back(pipe->forward(in[t], split));
+          EXPECT_EQ(stages[0]->state.slots().size(), static_cast<size_t>((batch + split - 1) / split));
+          return torch::stack(out);
+        },
+        [&](const torch::Tensor& in) {
+          for (auto& s : stages) s->reset_state();
+          std::vector<torch::Tensor> out;
+          for (int64_t t = 0; t < T; ++t) out.push_back(plain_forward(stages, devices, in[t]));
+          return torch::stack(out);
+        });
+  }
+}
+
 TEST_P(SnnPipeline, SequenceForwardMatchesAPlainLoop) {
   torch::manual_seed(5);
   const int64_t width = 4, batch = 3;

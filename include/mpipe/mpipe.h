@@ -6,4 +6,5 @@
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
+#include <mpipe/state.h>
 #include <mpipe/version.h>
