@@ -3,8 +3,13 @@
 #include "runtime.h"
 
 #include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <ostream>
 #include <string>
 
@@ -140,6 +145,52 @@ at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool red
     runtime_->execute(job, forwards_, options.worker_threads(), x_seq);
   }
   return gather_items(job, size());
+}
+
+at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tensor& target,
+                                         const LossFunction& loss_fn,
+                                         const TrainStepOptions& step) {
+  check_runnable("train_step", input);
+  TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == input.size(0),
+              "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
+              input.size(0), ") along dim 0, got ",
+              target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
+  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
+  TORCH_CHECK(step.split_size() > 0,
+              "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
+              step.split_size());
+  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
+              "mpipe::ModelPipeline::train_step: gradients are off (NoGradGuard or "
+              "InferenceMode is active); a training step needs them");
+  const int64_t batch = input.size(0), rows = step.split_size();
+  const at::Tensor x = input.detach(), y = target.detach();
+  detail::TrainJob job;
+  job.n_items = (batch + rows - 1) / rows;
+  job.input = [&](int64_t i) { return x.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
+  job.target = [&](int64_t i) { return y.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
+  const bool mean = step.reduction() == LossReduction::Mean;
+  job.loss = [&](int64_t i, const at::Tensor& out, const at::Tensor& tgt) {
+    at::Tensor loss = loss_fn(out, tgt);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "the loss function must return one value, got ",
+                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+    loss = loss.reshape({});
+    if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+    return loss;
+  };
+  job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
+  job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
+  job.input_requires_grad = input.requires_grad();
+  std::vector<std::vector<at::Tensor>> params;
+  for (size_t j = 0; j < size(); ++j) params.push_back(stages_->ptr(j)->parameters());
+  {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    runtime_->train(job, forwards_, options.worker_threads(), x, y, params);
+  }
+  if (job.input_requires_grad) {
+    torch::autograd::backward({input}, {at::cat(job.input_grads, 0).to(input.device())});
+  }
+  return job.loss_sum;
 }
 
 std::shared_ptr<torch::nn::Module> ModelPipelineImpl::stage(size_t index) const {

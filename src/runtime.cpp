@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "streams.h"
+
 #include "mpipe/schedule.h"
 #include "mpipe/state.h"
 
@@ -17,77 +19,6 @@
 namespace mpipe {
 namespace detail {
 
-namespace {
-
-c10::Stream pool_stream(c10::Device device) {
-  return c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
-}
-
-c10::Stream current_stream(c10::Device device) {
-  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-}
-
-/// record_stream: `t`'s memory is in use on `stream` (see Note [Pipeline runtime]).
-void record_on(const at::Tensor& t, const c10::Stream& stream) {
-  if (!t.defined() || !t.has_storage() || t.device().is_cpu()) return;
-  c10::impl::VirtualGuardImpl(t.device().type()).recordDataPtrOnStream(t.storage().data_ptr(),
-                                                                       stream);
-}
-
-std::shared_ptr<c10::Event> record_event(const c10::Stream& stream) {
-  auto event = std::make_shared<c10::Event>(stream.device_type());
-  event->record(stream);
-  return event;
-}
-
-}  // namespace
-
-struct Runtime::Stage {
-  c10::Device device;
-  c10::optional<c10::Stream> compute;  // none for CPU stages
-  // Copies from the previous stage's device, when that is another accelerator.
-  c10::optional<c10::Stream> copy_in;
-};
-
-class Runtime::Worker {
- public:
-  Worker() : thread_([this] { loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  void push(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(fn));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      fn();  // tasks catch their own errors (Runtime::task)
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the members above exist
-};
 
 /// State shared by one threaded call's tasks; tasks hold it by shared_ptr so it
 /// outlives the last of them however the caller returns.
@@ -107,7 +38,11 @@ Runtime::Runtime() = default;
 Runtime::~Runtime() = default;
 
 void Runtime::add_stage(c10::Device device) {
-  Stage stage{device, c10::nullopt, c10::nullopt};
+  Stage stage{device, c10::nullopt, c10::nullopt, nullptr};
+  for (const Stage& s : stages_) {
+    if (s.device == device) stage.rng_mutex = s.rng_mutex;
+  }
+  if (!stage.rng_mutex) stage.rng_mutex = std::make_shared<std::mutex>();
   if (!device.is_cpu()) stage.compute = pool_stream(device);
   if (!stages_.empty()) {
     const c10::Device prev = stages_.back().device;
@@ -179,7 +114,27 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
   return out;
 }
 
-std::exception_ptr Runtime::describe_failure(const Job& job, int64_t stage_index,
+void Runtime::fork() const {
+  for (size_t j = 0; j < stages_.size(); ++j) {
+    if (!stages_[j].compute) continue;
+    bool first_on_device = true;
+    for (size_t k = 0; k < j; ++k) first_on_device &= stages_[k].device != stages_[j].device;
+    if (!first_on_device) continue;
+    const auto event = record_event(current_stream(stages_[j].device));
+    for (const Stage& s : stages_) {
+      if (s.device == stages_[j].device) event->block(*s.compute);
+    }
+  }
+}
+
+void Runtime::join() const {
+  for (const Stage& s : stages_) {
+    if (s.compute) record_event(*s.compute)->block(current_stream(s.device));
+  }
+}
+
+std::exception_ptr Runtime::describe_failure(const char* method, const std::string& item_name,
+                                             int64_t n_items, int64_t stage_index,
                                              int64_t item) const {
   std::string what;
   try {
@@ -192,9 +147,9 @@ std::exception_ptr Runtime::describe_failure(const Job& job, int64_t stage_index
     what = "unknown exception";
   }
   try {
-    TORCH_CHECK(false, "mpipe::ModelPipeline::", job.method, ": stage ", stage_index, " (on ",
-                stages_[stage_index].device, ") failed at ", job.item_name, " ", item, " of ",
-                job.n_items, ": ", what);
+    TORCH_CHECK(false, "mpipe::ModelPipeline::", method, ": stage ", stage_index, " (on ",
+                stages_[stage_index].device, ") failed at ", item_name, " ", item, " of ",
+                n_items, ": ", what);
   } catch (...) {
     return std::current_exception();
   }
@@ -209,7 +164,9 @@ void Runtime::task(const std::shared_ptr<Call>& call, int64_t stage_index, int64
       at::ThreadLocalStateGuard tls_guard(call->tls);
       out = run_task(*call->job, *call->forwards, stage_index, item, std::move(in), call->entry);
     } catch (...) {
-      std::exception_ptr error = describe_failure(*call->job, stage_index, item);
+      std::exception_ptr error =
+          describe_failure(call->job->method, call->job->item_name, call->job->n_items,
+                           stage_index, item);
       std::lock_guard<std::mutex> lock(call->mutex);
       if (!call->error) call->error = error;
       call->failed.store(true, std::memory_order_release);
@@ -235,9 +192,11 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
 
   std::shared_ptr<c10::Event> entry;
   if (!input.device().is_cpu()) entry = record_event(current_stream(input.device()));
+  fork();
 
+  std::exception_ptr error;
   if (threaded) {
-    while (workers_.size() < stages_.size()) workers_.push_back(std::make_unique<Worker>());
+    ensure_workers();
     auto call = std::make_shared<Call>();
     call->job = &job;
     call->forwards = &forwards;
@@ -247,7 +206,7 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
     }
     std::unique_lock<std::mutex> lock(call->mutex);
     call->cv.wait(lock, [&] { return call->finished == job.n_items; });
-    if (call->error) std::rethrow_exception(call->error);
+    error = call->error;
   } else {
     std::vector<Handoff> in_flight(static_cast<size_t>(job.n_items));
     for (const auto& clock : schedule::fill_drain(job.n_items, n_stages)) {
@@ -256,19 +215,26 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
           in_flight[t.index] =
               run_task(job, forwards, t.stage, t.index, std::move(in_flight[t.index]), entry);
         } catch (...) {
-          std::rethrow_exception(describe_failure(job, t.stage, t.index));
+          error = describe_failure(job.method, job.item_name, job.n_items, t.stage, t.index);
+          break;
         }
       }
+      if (error) break;
     }
   }
 
+  join();  // also after a failure: the caller may free what the stages used
+  job.received_input = at::Tensor();
+  if (error) std::rethrow_exception(error);
   const Stage& last = stages_.back();
   if (last.compute) {
     const c10::Stream caller = current_stream(last.device);
-    record_event(*last.compute)->block(caller);
     for (const auto& t : job.outputs) record_on(t, caller);
   }
-  job.received_input = at::Tensor();
+}
+
+void Runtime::ensure_workers() {
+  while (workers_.size() < stages_.size()) workers_.push_back(std::make_unique<Worker>());
 }
 
 }  // namespace detail

@@ -4,13 +4,19 @@
 // worker threads.
 
 #include "mpipe/model_pipeline.h"
+#include "mpipe/schedule.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace mpipe {
@@ -67,6 +73,57 @@ namespace detail {
 // left waiting; the caller then rethrows a c10::Error that names the stage,
 // its device and the micro-batch or time step. The next call starts clean.
 
+struct Stage {
+  c10::Device device;
+  c10::optional<c10::Stream> compute;  // none for CPU stages
+  // Copies from the previous stage's device, when that is another accelerator.
+  c10::optional<c10::Stream> copy_in;
+  // Serialises RNG use on this device while checkpointing (shared by the
+  // stages of one device; Note [Training runtime]).
+  std::shared_ptr<std::mutex> rng_mutex;
+};
+
+/// A thread that runs queued tasks in order.
+class Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(fn));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();  // tasks catch their own errors (Runtime::task)
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members above exist
+};
+
 /// A stage's output on its way to the next stage.
 struct Handoff {
   at::Tensor value;
@@ -100,6 +157,24 @@ struct Job {
   at::Tensor received_input;
 };
 
+/// One training step's work (ModelPipelineImpl::train_step).
+struct TrainJob {
+  int64_t n_items = 0;
+  /// Micro-batch i of the input and of the target, on the caller's devices.
+  std::function<at::Tensor(int64_t)> input;
+  std::function<at::Tensor(int64_t)> target;
+  /// The weighted loss of micro-batch i from the last stage's output and the
+  /// target rows (runs on the last stage with its stream current).
+  std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&)> loss;
+  std::vector<schedule::Program> programs;
+  Checkpoint checkpoint = Checkpoint::Never;
+  bool input_requires_grad = false;
+  /// Results: the gradient of each micro-batch's input (when the input
+  /// requires grad) and the summed weighted loss, detached.
+  std::vector<at::Tensor> input_grads;
+  at::Tensor loss_sum;
+};
+
 class Runtime {
  public:
   Runtime();
@@ -115,16 +190,36 @@ class Runtime {
   void execute(Job& job, const std::vector<StageForward>& forwards, bool threaded,
                const at::Tensor& input);
 
+  /// Runs a training step: each stage runs its program of forwards and
+  /// backwards (Note [Training runtime]). `params[j]` are stage j's
+  /// parameters, whose gradients are recorded on the caller's streams.
+  void train(TrainJob& job, const std::vector<StageForward>& forwards, bool threaded,
+             const at::Tensor& input, const at::Tensor& target,
+             const std::vector<std::vector<at::Tensor>>& params);
+
  private:
-  struct Stage;
   struct Call;
-  class Worker;
+  struct TrainCall;
+
+  /// Every stage stream waits for the caller's current stream on its device,
+  /// so a call sees all the caller's earlier work (e.g. an optimizer step).
+  void fork() const;
+  /// The caller's current stream on every stage device waits for every stage
+  /// stream there, so the caller sees all of the call's work.
+  void join() const;
+  void train_forward(TrainCall& call, int64_t stage, int64_t item);
+  void train_backward(TrainCall& call, int64_t stage, int64_t item);
+  void run_program(TrainCall& call, int64_t stage);
 
   Handoff run_task(Job& job, const std::vector<StageForward>& forwards, int64_t stage,
                    int64_t item, Handoff in, const std::shared_ptr<c10::Event>& entry);
   at::Tensor receive(Handoff in, int64_t stage);
   void task(const std::shared_ptr<Call>& call, int64_t stage, int64_t item, Handoff in);
-  std::exception_ptr describe_failure(const Job& job, int64_t stage, int64_t item) const;
+  /// Called inside a catch block: the current exception as a c10::Error that
+  /// names the method, stage, device and item ("micro-batch 3 of 8").
+  std::exception_ptr describe_failure(const char* method, const std::string& item_name,
+                                      int64_t n_items, int64_t stage, int64_t item) const;
+  void ensure_workers();
 
   std::vector<Stage> stages_;
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -1,10 +1,16 @@
+#include "mpipe/checkpoint.h"
 #include "mpipe/state.h"
 
 namespace mpipe {
 
 namespace {
 thread_local MicroBatch current;
+thread_local bool recomputing = false;
 }  // namespace
+
+bool is_recomputing() noexcept { return recomputing; }
+RecomputeGuard::RecomputeGuard() noexcept : previous_(recomputing) { recomputing = true; }
+RecomputeGuard::~RecomputeGuard() { recomputing = previous_; }
 
 MicroBatch current_micro_batch() noexcept { return current; }
 

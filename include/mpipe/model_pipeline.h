@@ -7,6 +7,7 @@
 
 #include <mpipe/device.h>
 #include <mpipe/pipeline_options.h>
+#include <mpipe/training.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -88,6 +89,19 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// as [T, N, ...], or their sum when reduce = true. Equal, in values and
   /// gradients, to a plain loop over t.
   at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false);
+
+  /// One training step. Splits `input` and `target` along dim 0 into
+  /// micro-batches of step.split_size() rows, runs every stage's forwards and
+  /// backwards under step.schedule() (GPipe or 1F1B), with activation
+  /// checkpointing as options.checkpoint says, and accumulates into every
+  /// parameter's .grad (as backward() would) the gradient of the full-batch
+  /// loss: the mean over the batch when `loss_fn` returns the mean over the
+  /// rows it is given (LossReduction::Mean, the default), or the sum
+  /// (LossReduction::Sum). If `input` requires grad, its gradient is
+  /// accumulated too. Returns that loss, detached, on the output device.
+  /// Optimizer steps stay with the caller. See Note [Training runtime].
+  at::Tensor train_step(const at::Tensor& input, const at::Tensor& target,
+                        const LossFunction& loss_fn, const TrainStepOptions& step);
 
   /// Number of stages.
   size_t size() const noexcept { return devices_.size(); }

@@ -2,9 +2,12 @@
 
 // Everything mpipe offers, in one include.
 
+#include <mpipe/batchnorm.h>
+#include <mpipe/checkpoint.h>
 #include <mpipe/device.h>
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
 #include <mpipe/state.h>
+#include <mpipe/training.h>
 #include <mpipe/version.h>

@@ -2,6 +2,8 @@
 
 // Options of mpipe::ModelPipeline, in the style of torch::nn's options structs.
 
+#include <mpipe/checkpoint.h>
+
 #include <torch/arg.h>
 
 namespace mpipe {
@@ -12,6 +14,11 @@ struct ModelPipelineOptions {
   /// caller's thread runs every task in the schedule's clock order; results are
   /// the same either way (see Note [Pipeline runtime]).
   TORCH_ARG(bool, worker_threads) = true;
+  /// Activation checkpointing in train_step (only in training mode): a
+  /// checkpointed stage keeps just its input in forward and runs again in
+  /// backward, with the RNG state of its device restored so dropout draws the
+  /// same mask. See Note [Training runtime].
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::Never;
 };
 
 }  // namespace mpipe

@@ -1,0 +1,51 @@
+#pragma once
+
+// Note [Deferred BatchNorm]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Splitting a batch into micro-batches changes what BatchNorm sees: each
+// micro-batch is normalised with its own statistics (that much is inherent),
+// but the running statistics are also updated once per micro-batch, so they
+// drift from what the unsplit model would track. DeferredBatchNorm normalises
+// each micro-batch with its own statistics like BatchNorm, but accumulates the
+// per-channel sums over the micro-batches of a call and updates running_mean
+// and running_var once, at the last micro-batch (current_micro_batch()), with
+// the whole batch's mean and unbiased variance: the running statistics equal
+// the unsplit model's. A recomputation for checkpointing (is_recomputing())
+// adds nothing. In eval mode it normalises with the running statistics. Input:
+// [N, C, ...] with C = num_features (like BatchNorm1d/2d/3d).
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <ostream>
+
+namespace mpipe {
+
+struct DeferredBatchNormOptions {
+  /* implicit */ DeferredBatchNormOptions(int64_t num_features) : num_features_(num_features) {}
+  TORCH_ARG(int64_t, num_features);
+  TORCH_ARG(double, eps) = 1e-5;
+  TORCH_ARG(double, momentum) = 0.1;
+  TORCH_ARG(bool, affine) = true;
+};
+
+class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl> {
+ public:
+  explicit DeferredBatchNormImpl(DeferredBatchNormOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  void pretty_print(std::ostream& stream) const override;
+
+  DeferredBatchNormOptions options;
+  at::Tensor weight, bias;                                     // if affine
+  at::Tensor running_mean, running_var, num_batches_tracked;   // buffers
+
+ private:
+  void commit();
+  at::Tensor sum_, sum_squares_;
+  int64_t count_ = 0;
+};
+TORCH_MODULE(DeferredBatchNorm);
+
+}  // namespace mpipe

@@ -1,0 +1,42 @@
+#pragma once
+
+// Activation checkpointing: which micro-batches a training step recomputes in
+// backward instead of keeping their activations, and how a module can tell
+// that it is being recomputed (e.g. to not count batch statistics twice).
+
+#include <cstdint>
+
+namespace mpipe {
+
+enum class Checkpoint {
+  /// Keep every activation (fastest, most memory).
+  Never,
+  /// Checkpoint every micro-batch but the last, whose backward follows at once
+  /// in GPipe (torchgpipe's default).
+  ExceptLast,
+  /// Checkpoint every micro-batch.
+  Always,
+};
+
+/// Whether micro-batch `index` of `count` is checkpointed under `mode`.
+inline bool checkpointed(Checkpoint mode, int64_t index, int64_t count) {
+  return mode == Checkpoint::Always || (mode == Checkpoint::ExceptLast && index + 1 < count);
+}
+
+/// True while a checkpointed stage's forward is being run again in backward
+/// (on this thread).
+bool is_recomputing() noexcept;
+
+/// Marks this thread as recomputing while it lives (used by the runtime).
+class RecomputeGuard {
+ public:
+  RecomputeGuard() noexcept;
+  ~RecomputeGuard();
+  RecomputeGuard(const RecomputeGuard&) = delete;
+  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+}  // namespace mpipe

@@ -1,0 +1,38 @@
+#pragma once
+
+// Private: backend-generic stream and event helpers (c10's virtual guard
+// interface, so no CUDA header is needed and CPU-only builds compile).
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <memory>
+
+namespace mpipe {
+namespace detail {
+
+inline c10::Stream pool_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+}
+
+inline c10::Stream current_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
+
+/// record_stream: `t`'s memory is in use on `stream` (Note [Pipeline runtime]).
+inline void record_on(const at::Tensor& t, const c10::Stream& stream) {
+  if (!t.defined() || !t.has_storage() || t.device().is_cpu()) return;
+  c10::impl::VirtualGuardImpl(t.device().type()).recordDataPtrOnStream(t.storage().data_ptr(),
+                                                                       stream);
+}
+
+inline std::shared_ptr<c10::Event> record_event(const c10::Stream& stream) {
+  auto event = std::make_shared<c10::Event>(stream.device_type());
+  event->record(stream);
+  return event;
+}
+
+}  // namespace detail
+}  // namespace mpipe

@@ -1,0 +1,345 @@
+// Training: the GPipe and 1F1B schedules (exactly, as pure functions), the
+// training step's gradients against the plain model, checkpointing (with the
+// same dropout mask on recompute), deferred BatchNorm, and bad input.
+
+#include "common.h"
+
+#include <mpipe/mpipe.h>
+
+#include <map>
+#include <set>
+
+using namespace mpipe_test;
+using mpipe::Checkpoint;
+using mpipe::LossReduction;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::Schedule;
+using mpipe::TrainStepOptions;
+namespace sch = mpipe::schedule;
+using sch::B;
+using sch::F;
+
+TEST(TrainingSchedule, ProgramsAreExactForSmallSizes) {
+  EXPECT_EQ(sch::gpipe(3, 2), (std::vector<sch::Program>{{F(0), F(1), F(2), B(0), B(1), B(2)},
+                                                          {F(0), F(1), F(2), B(0), B(1), B(2)}}));
+  EXPECT_EQ(sch::one_f_one_b(4, 2),
+            (std::vector<sch::Program>{{F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)},
+                                       {F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)}}));
+  EXPECT_EQ(sch::one_f_one_b(2, 4)[0], (sch::Program{F(0), F(1), B(0), B(1)}));  // m < n
+  // 1F1B, 3 micro-batches, 2 stages, on the unit clock.
+  using T = sch::TimedOp;
+  const std::vector<std::vector<T>> expected = {
+      {T{0, F(0)}},
+      {T{0, F(1)}, T{1, F(0)}},
+      {T{1, B(0)}},
+      {T{0, B(0)}, T{1, F(1)}},
+      {T{0, F(2)}, T{1, B(1)}},
+      {T{0, B(1)}, T{1, F(2)}},
+      {T{1, B(2)}},
+      {T{0, B(2)}},
+  };
+  EXPECT_EQ(sch::simulate(sch::one_f_one_b(3, 2)), expected);
+}
+
+TEST(TrainingSchedule, InvariantsAndMemoryBound) {
+  for (int64_t m = 1; m <= 9; ++m) {
+    for (int64_t n = 1; n <= 5; ++n) {
+      SCOPED_TRACE(std::to_string(m) + " micro-batches, " + std::to_string(n) + " stages");
+      const auto gp = sch::gpipe(m, n), ofob = sch::one_f_one_b(m, n);
+      EXPECT_NO_THROW(sch::validate(gp, m));
+      EXPECT_NO_THROW(sch::validate(ofob, m));
+      // Same length: 2 (m + n - 1) ticks on the unit clock.
+      EXPECT_EQ(static_cast<int64_t>(sch::simulate(gp).size()), 2 * (m + n - 1));
+      EXPECT_EQ(static_cast<int64_t>(sch::simulate(ofob).size()), 2 * (m + n - 1));
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_EQ(sch::peak_in_flight(gp[j]), m);
+        EXPECT_EQ(sch::peak_in_flight(ofob[j]), std::min(n - j, m));
+      }
+    }
+  }
+}
+
+TEST(TrainingSchedule, BadProgramsAreRejected) {
+  EXPECT_THROW(sch::gpipe(0, 2), std::invalid_argument);
+  EXPECT_THROW(sch::one_f_one_b(2, 0), std::invalid_argument);
+  EXPECT_THROW(sch::validate({{F(0), B(0), B(0)}}, 1), std::invalid_argument);  // repeated
+  EXPECT_THROW(sch::validate({{B(0), F(0)}}, 1), std::invalid_argument);        // misordered
+  EXPECT_THROW(sch::validate({{F(0)}}, 1), std::invalid_argument);              // missing
+  // A cycle: stage 1 wants F(1) before F(0); stage 0 runs B(0) before F(1).
+  EXPECT_THROW(sch::simulate({{F(0), B(0), F(1), B(1)}, {F(1), B(1), F(0), B(0)}}),
+               std::invalid_argument);
+}
+
+namespace {
+
+struct TrainCase {
+  Schedule schedule;
+  Checkpoint checkpoint;
+  bool threads;
+};
+
+std::string case_name(const ::testing::TestParamInfo<TrainCase>& info) {
+  const auto& c = info.param;
+  std::string s = c.schedule == Schedule::GPipe ? "GPipe" : "OneFOneB";
+  s += c.checkpoint == Checkpoint::Never       ? "_NoCheckpoint"
+       : c.checkpoint == Checkpoint::ExceptLast ? "_CheckpointExceptLast"
+                                                : "_CheckpointAlways";
+  return s + (c.threads ? "_Threads" : "_Inline");
+}
+
+class TrainStep : public ::testing::TestWithParam<TrainCase> {
+ protected:
+  ModelPipeline make() {
+    return ModelPipeline(ModelPipelineOptions()
+                             .worker_threads(GetParam().threads)
+                             .checkpoint(GetParam().checkpoint));
+  }
+};
+
+}  // namespace
+
+TEST_P(TrainStep, GradientsEqualThePlainModel) {
+  torch::manual_seed(11);
+  const int64_t width = 5, batch = 10;
+  for (int64_t n_stages : {1, 3, 4}) {
+    std::vector<torch::nn::Sequential> stages;
+    auto pipe = make();
+    for (int64_t j = 0; j < n_stages; ++j) {
+      stages.push_back(mlp_stage(width, width));
+      stages.back()->to(torch::kDouble);
+      pipe->append(stages.back(), "cpu");
+    }
+    std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+    for (int64_t split : {1, 3, 4, 10}) {
+      for (auto reduction : {LossReduction::Mean, LossReduction::Sum}) {
+        SCOPED_TRACE(std::to_string(n_stages) + " stages, split " + std::to_string(split) +
+                     (reduction == LossReduction::Mean ? ", mean" : ", sum"));
+        auto x = torch::randn({batch, width}, torch::kDouble).requires_grad_();
+        auto target = torch::randn({batch, width}, torch::kDouble);
+        const auto red = reduction == LossReduction::Mean ? torch::Reduction::Mean
+                                                          : torch::Reduction::Sum;
+        auto loss_fn = [red](const torch::Tensor& out, const torch::Tensor& t) {
+          return torch::mse_loss(out, t, red);
+        };
+        auto loss = pipe->train_step(
+            x, target, loss_fn,
+            TrainStepOptions(split).schedule(GetParam().schedule).reduction(reduction));
+        EXPECT_FALSE(loss.requires_grad());
+        auto pipe_grads = grads_of(*pipe);
+        auto x_grad = x.grad().clone();
+        zero_grads(*pipe);
+
+        auto x2 = x.detach().clone().requires_grad_();
+        auto loss2 = loss_fn(plain_forward(stages, devices, x2), target);
+        loss2.backward();
+        expect_close(loss, loss2, 1e-12, "loss");
+        expect_close(x_grad, x2.grad(), 1e-12, "grad of x");
+        expect_same_grads(pipe_grads, grads_of(*pipe), 1e-12);
+        zero_grads(*pipe);
+      }
+    }
+  }
+}
+
+TEST_P(TrainStep, GradientsAccumulateLikeBackward) {
+  torch::manual_seed(12);
+  auto stage = mlp_stage(3, 3);
+  auto pipe = make();
+  pipe->append(stage, "cpu").append(mlp_stage(3, 2), "cpu");
+  auto x = torch::randn({6, 3});
+  auto t = torch::randn({6, 2});
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
+  pipe->train_step(x, t, loss_fn, TrainStepOptions(2).schedule(GetParam().schedule));
+  auto once = grads_of(*pipe);
+  pipe->train_step(x, t, loss_fn, TrainStepOptions(4).schedule(GetParam().schedule));
+  for (const auto& kv : grads_of(*pipe)) expect_close(kv.second, once[kv.first] * 2, 1e-5, kv.first);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, TrainStep,
+    ::testing::Values(TrainCase{Schedule::GPipe, Checkpoint::Never, true},
+                      TrainCase{Schedule::GPipe, Checkpoint::Never, false},
+                      TrainCase{Schedule::GPipe, Checkpoint::ExceptLast, true},
+                      TrainCase{Schedule::GPipe, Checkpoint::Always, false},
+                      TrainCase{Schedule::OneFOneB, Checkpoint::Never, true},
+                      TrainCase{Schedule::OneFOneB, Checkpoint::Never, false},
+                      TrainCase{Schedule::OneFOneB, Checkpoint::ExceptLast, false},
+                      TrainCase{Schedule::OneFOneB, Checkpoint::Always, true}),
+    case_name);
+
+namespace {
+
+/// Multiplies by a fresh uniform mask and records the mask drawn in each call,
+/// by micro-batch and by whether the call was a recompute.
+struct MaskImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto mask = torch::rand_like(x);
+    const int64_t mb = mpipe::current_micro_batch().index;
+    (mpipe::is_recomputing() ? recomputed : original)[mb] = mask;
+    ++calls;
+    return x * mask;
+  }
+  std::map<int64_t, torch::Tensor> original, recomputed;
+  int64_t calls = 0;
+};
+TORCH_MODULE(Mask);
+
+}  // namespace
+
+TEST(Checkpointing, RecomputeDrawsTheSameRandomNumbers) {
+  for (bool threads : {true, false}) {
+    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+      SCOPED_TRACE(threads ? "threads" : "inline");
+      // Three stages on one device share its generator.
+      std::vector<Mask> masks(3);
+      auto pipe = ModelPipeline(
+          ModelPipelineOptions().worker_threads(threads).checkpoint(Checkpoint::Always));
+      pipe->append(torch::nn::Linear(4, 4), "cpu");
+      for (auto& m : masks) pipe->append(m, "cpu");
+      auto x = torch::randn({8, 4});
+      pipe->train_step(x, torch::zeros({8, 4}),
+                       [](const torch::Tensor& o, const torch::Tensor& y) {
+                         return torch::mse_loss(o, y);
+                       },
+                       TrainStepOptions(2).schedule(schedule));
+      for (auto& m : masks) {
+        ASSERT_EQ(m->original.size(), 4u);
+        ASSERT_EQ(m->recomputed.size(), 4u);
+        EXPECT_EQ(m->calls, 8);  // each micro-batch twice
+        for (int64_t i = 0; i < 4; ++i) {
+          expect_close(m->recomputed[i], m->original[i], 0.0, "mask " + std::to_string(i));
+        }
+        // Different micro-batches got different masks: the check can fail.
+        EXPECT_GT((m->original[0] - m->original[1]).abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+}
+
+TEST(Checkpointing, DropoutGradientsMatchTheRunWithoutCheckpointing) {
+  auto grads_with = [](Checkpoint c) {
+    torch::manual_seed(21);
+    std::vector<torch::nn::Sequential> stages;
+    for (int j = 0; j < 3; ++j) {
+      stages.emplace_back(torch::nn::Linear(6, 6), torch::nn::Dropout(0.5), torch::nn::Tanh());
+    }
+    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(false).checkpoint(c));
+    for (auto& s : stages) pipe->append(s, "cpu");
+    torch::manual_seed(22);
+    pipe->train_step(torch::randn({9, 6}), torch::randn({9, 6}),
+                     [](const torch::Tensor& o, const torch::Tensor& y) {
+                       return torch::mse_loss(o, y);
+                     },
+                     TrainStepOptions(2).schedule(Schedule::OneFOneB));
+    return grads_of(*pipe);
+  };
+  auto never = grads_with(Checkpoint::Never);
+  expect_same_grads(never, grads_with(Checkpoint::Always), 0.0);
+  expect_same_grads(never, grads_with(Checkpoint::ExceptLast), 0.0);
+}
+
+TEST(Checkpointing, NothingIsRecomputedInEvalMode) {
+  std::vector<Recorder> recorders(2);
+  auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(Checkpoint::Always));
+  pipe->append(torch::nn::Linear(2, 2), "cpu");
+  for (auto& r : recorders) pipe->append(r, "cpu");
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
+  pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, TrainStepOptions(1));
+  EXPECT_EQ(recorders[0]->seen.size(), 8u);  // training: forward + recompute
+  recorders[0]->seen.clear();
+  pipe->eval();
+  pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, TrainStepOptions(1));
+  EXPECT_EQ(recorders[0]->seen.size(), 4u);
+}
+
+TEST(DeferredBatchNorm, RunningStatisticsEqualTheUnsplitModel) {
+  torch::manual_seed(31);
+  for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
+    torch::nn::BatchNorm2d reference(3);
+    reference->to(torch::kDouble);
+    mpipe::DeferredBatchNorm deferred(3);
+    deferred->to(torch::kDouble);
+    auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
+    pipe->append(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 1)), "cpu");
+    pipe->append(deferred, "cpu");
+    pipe->to(torch::kDouble);
+    auto conv = pipe->stage(0)->as<torch::nn::Conv2d>();
+    for (int step = 0; step < 3; ++step) {
+      auto x = torch::randn({10, 2, 4, 4}, torch::kDouble) * (step + 1) + step;
+      pipe->train_step(x, torch::zeros({10, 3, 4, 4}, torch::kDouble),
+                       [](const torch::Tensor& o, const torch::Tensor& y) {
+                         return torch::mse_loss(o, y);
+                       },
+                       TrainStepOptions(3));  // micro-batches of 3, 3, 3, 1
+      torch::NoGradGuard no_grad;
+      reference(conv->forward(x));  // the unsplit batch through plain BatchNorm
+      expect_close(deferred->running_mean, reference->running_mean, 1e-10, "running_mean");
+      expect_close(deferred->running_var, reference->running_var, 1e-10, "running_var");
+    }
+    EXPECT_EQ(deferred->num_batches_tracked.item<int64_t>(), 3);
+  }
+}
+
+TEST(DeferredBatchNorm, NormalisesEachMicroBatchAndUsesRunningStatsInEval) {
+  torch::manual_seed(32);
+  mpipe::DeferredBatchNorm bn(4);
+  auto x = torch::randn({6, 4}) * 3 + 1;
+  torch::nn::BatchNorm1d plain(4);
+  {
+    mpipe::MicroBatchGuard mb({0, 2});  // not the last: nothing committed yet
+    expect_close(bn(x), plain(x), 1e-5, "training output");
+    expect_close(bn->running_mean, torch::zeros({4}), 0.0, "running_mean untouched");
+  }
+  bn->eval();
+  plain->eval();
+  expect_close(bn(x), x / std::sqrt(1 + 1e-5), 1e-5, "eval uses running stats");
+  MPIPE_EXPECT_ERROR(bn(torch::randn({2, 5})), "expected input [N, 4, ...]", "[2, 5]");
+}
+
+TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
+  auto pipe = ModelPipeline();
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
+  MPIPE_EXPECT_ERROR(pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, 2),
+                     "no stages");
+  pipe->append(torch::nn::Linear(2, 2), "cpu").append(torch::nn::Linear(2, 2), "cpu");
+  auto x = torch::randn({4, 2});
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({3, 2}), loss_fn, 2),
+                     "target needs the input's batch size (4)", "[3, 2]");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn, 0),
+                     "split_size must be positive, got 0");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), mpipe::LossFunction(), 2),
+                     "loss_fn is empty");
+  {
+    torch::NoGradGuard no_grad;
+    MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn, 2), "gradients are off");
+  }
+  for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    for (bool threads : {true, false}) {
+      pipe->options.worker_threads(threads);
+      MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}),
+                                          [](const torch::Tensor& o, const torch::Tensor&) {
+                                            return o;  // not a scalar
+                                          },
+                                          TrainStepOptions(2).schedule(schedule)),
+                         "train_step", "stage 1", "forward of micro-batch 0 of 2",
+                         "must return one value", "[2, 2]");
+      // A stage that fails in backward.
+      MPIPE_EXPECT_ERROR(
+          pipe->train_step(x, torch::randn({4, 2}),
+                           [](const torch::Tensor& o, const torch::Tensor&) {
+                             auto out = o * 1;
+                             out.register_hook([](torch::Tensor g) -> torch::Tensor {
+                               TORCH_CHECK(false, "planted backward failure");
+                               return g;
+                             });
+                             return out.sum();
+                           },
+                           TrainStepOptions(1).schedule(schedule)),
+          "stage 1", "backward of micro-batch 0 of 4", "planted backward failure");
+      auto loss = pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                   TrainStepOptions(2).schedule(schedule));
+      EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    }
+  }
+}
