@@ -143,6 +143,61 @@ TEST(Cuda, LoadPutsStagesBackOnTheirDevices_CUDA) {
   expect_close(pipe->forward(x, 2), other->forward(x, 2), 1e-6);
 }
 
+namespace {
+
+/// train_step against the plain model on `devices`, for both schedules and
+/// every checkpointing mode.
+void check_train_step(const std::vector<torch::Device>& devices) {
+  torch::manual_seed(13);
+  const int64_t width = 6, batch = 11;
+  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+    for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
+                            mpipe::Checkpoint::Always}) {
+      for (bool threads : {true, false}) {
+        std::vector<torch::nn::Sequential> stages;
+        auto pipe = ModelPipeline(
+            ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
+        for (const auto& d : devices) {
+          stages.push_back(mlp_stage(width, width));
+          stages.back()->to(torch::kDouble);
+          pipe->append(stages.back(), d);
+        }
+        auto x = torch::randn({batch, width}, torch::kDouble).to(devices.front()).requires_grad_();
+        auto target = torch::randn({batch, width}, torch::kDouble).to(devices.back());
+        auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+          return torch::mse_loss(o, t);
+        };
+        auto loss = pipe->train_step(x, target, loss_fn,
+                                     mpipe::TrainStepOptions(3).schedule(schedule));
+        auto pipe_grads = grads_of(*pipe);
+        auto x_grad = x.grad().clone();
+        zero_grads(*pipe);
+        auto x2 = x.detach().clone().requires_grad_();
+        auto loss2 = loss_fn(plain_forward(stages, devices, x2), target);
+        loss2.backward();
+        expect_close(loss, loss2, 1e-12, "loss");
+        expect_close(x_grad, x2.grad(), 1e-12, "grad of x");
+        expect_same_grads(pipe_grads, grads_of(*pipe), 1e-12);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Cuda, TrainStepMatchesThePlainModel_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0"), c(torch::kCPU);
+  check_train_step({g, g, g, g});
+  check_train_step({c, g, c, g});
+}
+
+TEST(MultiCuda, TrainStepAcrossGpus_MultiCUDA) {
+  MPIPE_REQUIRE_CUDA(2);
+  const torch::Device g0("cuda:0"), g1("cuda:1");
+  check_train_step({g0, g1, g0, g1});
+}
+
 TEST(Cuda, NeuronStateFollowsTheInputAcrossDevices_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   mpipe::snn::LIFNode node;

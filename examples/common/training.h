@@ -71,14 +71,15 @@ inline std::string format_duration(double seconds) {
   return buf;
 }
 
-/// Cosine annealing from `base_lr` to 0 over `total_steps`, set on every group.
-inline void set_cosine_lr(torch::optim::SGD& opt, double base_lr, int64_t step,
-                          int64_t total_steps) {
-  const double lr =
-      0.5 * base_lr * (1 + std::cos(M_PI * static_cast<double>(step) / std::max<int64_t>(total_steps, 1)));
-  for (auto& group : opt.param_groups()) {
-    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
-  }
+/// Cosine annealing from `base_lr` to 0 over `total_steps`, set on every
+/// group of an optimizer whose options type is `Options` (SGDOptions, ...).
+template <typename Options>
+void set_cosine_lr(torch::optim::Optimizer& opt, double base_lr, int64_t step,
+                   int64_t total_steps) {
+  const double lr = 0.5 * base_lr *
+                    (1 + std::cos(M_PI * static_cast<double>(step) /
+                                  static_cast<double>(std::max<int64_t>(total_steps, 1))));
+  for (auto& group : opt.param_groups()) static_cast<Options&>(group.options()).lr(lr);
 }
 
 }  // namespace examples

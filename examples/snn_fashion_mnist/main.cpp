@@ -166,7 +166,7 @@ int run(Config cfg) {
       const int64_t n = std::min(cfg.batch_size, train.size() - start);
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
-      examples::set_cosine_lr(opt, cfg.lr, step, total_steps);
+      examples::set_cosine_lr<torch::optim::SGDOptions>(opt, cfg.lr, step, total_steps);
       auto rate = mpipe::snn::rate_from_sum(pipe->constant_forward(x, cfg.time_steps),
                                             cfg.time_steps);
       auto loss = mpipe::snn::rate_mse_loss(rate, y);
