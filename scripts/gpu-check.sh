@@ -2,8 +2,10 @@
 # On a CUDA machine whose LibTorch is python3's torch (the project's GPU machine):
 # builds mpipe against it and runs the steps named in MPIPE_GPU_STEPS (default:
 # "tests snn"): tests = every ctest test plus the GPU tests verbosely;
-# mlp = the pipelined-MLP example; snn = the Fashion-MNIST SNN training (data
-# from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
+# mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
+# bench = mpipe_bench beside the reference class's bench_seed.py (copied to
+# .devdata/seed) and bench/compare.py's table; snn = the Fashion-MNIST SNN
+# training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}. Header-only extras that machine lacks (CLI11, zlib's
 # headers) may be carried in .devdata/include.
 set -uo pipefail
@@ -31,6 +33,17 @@ if [[ " $steps " == *" tests "* ]]; then
 fi
 if [[ " $steps " == *" mlp "* ]]; then
   "$bin/examples/pipelined_mlp/pipelined_mlp" 2>&1 | tee "$out/mlp.log"
+fi
+if [[ " $steps " == *" mlpfm "* ]]; then
+  # shellcheck disable=SC2086
+  timeout "${MPIPE_MLP_TIMEOUT:-300}" "$bin/examples/mlp_fashion_mnist/mlp_fashion_mnist" \
+    --data .devdata/fashion-mnist --out /tmp/mlp_out ${MPIPE_MLP_FLAGS:-} 2>&1 | tee "$out/mlpfm.log"
+fi
+if [[ " $steps " == *" bench "* ]]; then
+  # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
+  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" 2>&1 | tee "$out/bench.log"
+  PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$out/bench.log"
+  python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
 fi
 if [[ " $steps " == *" snn "* ]]; then
   # shellcheck disable=SC2086

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Side-by-side table of mpipe's benchmark (mpipe_bench --json) and the reference
+Python class's (shared/seed/bench_seed.py --json), measured in the same device run.
+
+    python3 bench/compare.py MPIPE_JSON SEED_JSON
+
+Prints Markdown: per workload, milliseconds (medians) of mpipe, the reference
+class, plain LibTorch (C++, the stages one after another) and the CUDA-graph
+floors, with the ratios the performance targets are stated in; then the memory
+table of a training step under each schedule.
+"""
+import json
+import sys
+
+TARGETS = {  # (workload, kind): (which ratio, bound) -- bench/README.md
+    ("narrow-mlp", "forward"): ("speedup_vs_ref", 3.0),
+    ("narrow-mlp", "train"): ("speedup_vs_ref", 3.0),
+    ("snn-1024", "forward"): ("speedup_vs_ref", 5.0),
+    ("snn-256", "forward"): ("speedup_vs_ref", 5.0),
+    ("snn-1024", "train"): ("speedup_vs_ref", 3.0),
+    ("snn-256", "train"): ("speedup_vs_ref", 3.0),
+    ("wide-mlp", "forward"): ("vs_plain", 1.01),
+    ("wide-mlp", "train"): ("vs_plain", 1.01),
+}
+
+
+def rows(m, s):
+    for name in ("narrow-mlp", "wide-mlp", "snn-1024", "snn-256"):
+        if name not in m["workloads"] or name not in s:
+            continue
+        mw, sw = m["workloads"][name], s[name]
+        snn = name.startswith("snn")
+        for kind in ("forward", "train"):
+            if snn:
+                mp = mw["mpipe_constant_fwd_ms" if kind == "forward" else "mpipe_constant_train_ms"]
+                ref = sw["seed_constant_fwd_ms" if kind == "forward" else "seed_constant_train_ms"]
+                plain = mw["plain_loop_fwd_ms" if kind == "forward" else "plain_loop_train_ms"]
+                floor = sw.get("floor_graph_loop_fwd_ms") if kind == "forward" else None
+            else:
+                mp = mw["mpipe_fwd_ms" if kind == "forward" else "mpipe_train_ms"]
+                ref = sw["seed_fwd_ms" if kind == "forward" else "seed_train_ms"]
+                plain = mw["plain_fwd_ms" if kind == "forward" else "plain_train_ms"]
+                floor = sw.get("floor_graph_microbatched_fwd_ms") if kind == "forward" else None
+            yield name, kind, mp, ref, plain, floor
+
+
+def main():
+    m = json.load(open(sys.argv[1]))
+    s = json.load(open(sys.argv[2]))
+    print("| workload | mpipe ms | reference class ms | plain LibTorch ms | CUDA-graph floor ms "
+          "| ref / mpipe | mpipe / plain | target | met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, kind, mp, ref, plain, floor in rows(m, s):
+        speedup, vs_plain = ref / mp, mp / plain
+        which, bound = TARGETS[(name, kind)]
+        if which == "speedup_vs_ref":
+            target, met = f">= {bound:g}x faster than ref", speedup >= bound
+        else:
+            target, met = f"<= {bound:g}x plain", vs_plain <= bound
+        print(f"| {name} {kind} | {mp:.2f} | {ref:.2f} | {plain:.2f} | "
+              f"{'' if floor is None else f'{floor:.2f}'} | {speedup:.2f}x | {vs_plain:.3f} | "
+              f"{target} | {'yes' if met else 'NO'} |")
+    mem = m["workloads"].get("memory")
+    if mem:
+        print()
+        print("| training step (4 x 2 x Linear(4096), batch 8192, 16 micro-batches) "
+              "| peak allocated MiB | before the step MiB | ms |")
+        print("|---|---|---|---|")
+        for r in mem:
+            peaks = ", ".join(f"{d}: {v:.0f}" for d, v in r["peak_allocated_mib"].items())
+            print(f"| {r['mode']} | {peaks} | {r['before_step_mib']:.0f} | {r['train_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

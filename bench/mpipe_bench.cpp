@@ -1,0 +1,305 @@
+// mpipe's benchmark: the four workloads of shared/notes/benchmark-workloads.md
+// through mpipe and through plain LibTorch (the same stages called one after
+// another), forward only and as a training step; and the memory and time of a
+// training step under GPipe, 1F1B and checkpointing. Median of --reps runs
+// after warm-up, each run ending when the device is idle. Prints a table and
+// writes JSON (--json). See bench/README.md.
+
+#include <mpipe/mpipe.h>
+#include <mpipe/snn.h>
+
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
+
+#ifdef MPIPE_BENCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace nn = torch::nn;
+using json = nlohmann::json;
+
+struct Config {
+  int64_t reps = 15;
+  int64_t warmup = 3;
+  std::string device = "auto";
+  std::string only;  // comma-separated workload names; empty: all
+  std::string json_path;
+  bool cpu_sizes = false;  // shrink the workloads (for CPUs and CI)
+  bool inline_host = false;
+  bool memory = true;
+};
+
+struct Timer {
+  bool cuda;
+  int64_t reps, warmup;
+  double median_ms(const std::function<void()>& fn) const {
+    for (int64_t i = 0; i < warmup; ++i) fn();
+    sync();
+    std::vector<double> ms;
+    for (int64_t r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      sync();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                       .count());
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms.size() % 2 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
+  }
+  void sync() const {
+    if (cuda) torch::cuda::synchronize();
+  }
+};
+
+std::vector<torch::Device> placement(const torch::Device& device, int64_t n) {
+  // One GPU: every stage on it; N >= n GPUs: stage i on cuda:i.
+  std::vector<torch::Device> out;
+  const int64_t gpus = mpipe::cuda_device_count();
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(device.is_cuda() && gpus >= n
+                      ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i))
+                      : device);
+  }
+  return out;
+}
+
+torch::Tensor run_plain(std::vector<nn::Sequential>& stages,
+                        const std::vector<torch::Device>& devices, torch::Tensor x) {
+  for (size_t i = 0; i < stages.size(); ++i) x = stages[i]->forward(x.to(devices[i]));
+  return x;
+}
+
+json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width, int64_t depth,
+                  int64_t batch, int64_t split, bool inline_host) {
+  torch::manual_seed(0);
+  const auto devices = placement(device, 4);
+  std::vector<nn::Sequential> stages;
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!inline_host));
+  for (int s = 0; s < 4; ++s) {
+    nn::Sequential stage;
+    for (int64_t l = 0; l < depth / 4; ++l) {
+      stage->push_back(nn::Linear(width, width));
+      stage->push_back(nn::ReLU());
+    }
+    pipe->append(stage, devices[static_cast<size_t>(s)]);
+    stages.push_back(stage);
+  }
+  auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()));
+  auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+  json r;
+  {
+    torch::NoGradGuard no_grad;
+    r["plain_fwd_ms"] = timer.median_ms([&] { run_plain(stages, devices, x); });
+    r["mpipe_fwd_ms"] = timer.median_ms([&] { pipe->forward(x, split); });
+  }
+  r["plain_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    run_plain(stages, devices, x).pow(2).mean().backward();
+  });
+  r["mpipe_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split));
+  });
+  r["mpipe_fwd_bwd_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    pipe->forward(x, split).pow(2).mean().backward();
+  });
+  return r;
+}
+
+json snn_workload(const Timer& timer, const torch::Device& device, int64_t width, int64_t batch,
+                  int64_t T, bool inline_host) {
+  torch::manual_seed(0);
+  const auto devices = placement(device, 4);
+  std::vector<nn::Sequential> stages;
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!inline_host));
+  for (int s = 0; s < 4; ++s) {
+    // LIF: tau 2, decay_input, v_threshold 1, hard reset to 0, Sigmoid(alpha 4).
+    nn::Sequential stage(nn::Linear(width, width), mpipe::snn::LIFNode());
+    pipe->append(stage, devices[static_cast<size_t>(s)]);
+    stages.push_back(stage);
+  }
+  auto x = torch::rand({batch, width}, torch::TensorOptions(devices.front())) * 2;
+  auto loop = [&] {
+    mpipe::reset_states(*pipe);
+    torch::Tensor out;
+    for (int64_t t = 0; t < T; ++t) {
+      auto y = run_plain(stages, devices, x);
+      out = out.defined() ? out + y : y;
+    }
+    return out;
+  };
+  auto piped = [&] {
+    mpipe::reset_states(*pipe);
+    return pipe->constant_forward(x, T, true);
+  };
+  json r;
+  {
+    torch::NoGradGuard no_grad;
+    r["plain_loop_fwd_ms"] = timer.median_ms([&] { loop(); });
+    r["mpipe_constant_fwd_ms"] = timer.median_ms([&] { piped(); });
+  }
+  r["plain_loop_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    loop().mean().backward();
+  });
+  r["mpipe_constant_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    piped().mean().backward();
+  });
+  return r;
+}
+
+/// Peak memory and time of one training step under each schedule and
+/// checkpointing mode (CUDA only: the caching allocator's statistics).
+json memory_workload(const Timer& timer, const torch::Device& device, int64_t width,
+                     int64_t layers_per_stage, int64_t batch, int64_t split, bool inline_host) {
+  json out = json::array();
+#ifdef MPIPE_BENCH_CUDA
+  const auto devices = placement(device, 4);
+  struct Mode {
+    const char* name;
+    mpipe::Schedule schedule;
+    mpipe::Checkpoint checkpoint;
+  };
+  for (const Mode& mode : {Mode{"gpipe", mpipe::Schedule::GPipe, mpipe::Checkpoint::Never},
+                           Mode{"1f1b", mpipe::Schedule::OneFOneB, mpipe::Checkpoint::Never},
+                           Mode{"gpipe+checkpoint(except_last)", mpipe::Schedule::GPipe,
+                                mpipe::Checkpoint::ExceptLast},
+                           Mode{"1f1b+checkpoint(always)", mpipe::Schedule::OneFOneB,
+                                mpipe::Checkpoint::Always}}) {
+    torch::manual_seed(0);
+    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
+                                  .worker_threads(!inline_host)
+                                  .checkpoint(mode.checkpoint));
+    for (int s = 0; s < 4; ++s) {
+      nn::Sequential stage;
+      for (int64_t l = 0; l < layers_per_stage; ++l) {
+        stage->push_back(nn::Linear(width, width));
+        stage->push_back(nn::ReLU());
+      }
+      pipe->append(stage, devices[static_cast<size_t>(s)]);
+    }
+    auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()));
+    auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
+    auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+    auto step = [&] {
+      pipe->zero_grad();
+      pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split).schedule(mode.schedule));
+    };
+    step();  // gradients allocated, as in steady training
+    timer.sync();
+    json r;
+    r["mode"] = mode.name;
+    std::map<int, bool> seen;
+    for (const auto& d : devices) {
+      if (seen[d.index()]) continue;
+      seen[d.index()] = true;
+      c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+    }
+    const auto base = c10::cuda::CUDACachingAllocator::getDeviceStats(devices.front().index());
+    step();
+    timer.sync();
+    json peaks = json::object();
+    for (const auto& kv : seen) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(kv.first);
+      const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      peaks["cuda:" + std::to_string(kv.first)] = stats.allocated_bytes[agg].peak / 1048576.0;
+      if (kv.first == devices.front().index()) {
+        r["before_step_mib"] = base.allocated_bytes[agg].current / 1048576.0;
+      }
+    }
+    r["peak_allocated_mib"] = peaks;
+    r["train_ms"] = timer.median_ms(step);
+    out.push_back(r);
+  }
+#else
+  (void)timer, (void)device, (void)width, (void)layers_per_stage, (void)batch, (void)split,
+      (void)inline_host;
+#endif
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg;
+  CLI::App app{"mpipe benchmark: the four workloads, mpipe vs plain LibTorch, and training memory"};
+  app.add_option("--reps", cfg.reps, "timed runs per measurement (median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", cfg.warmup, "untimed runs first");
+  app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--only", cfg.only, "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory");
+  app.add_option("--json", cfg.json_path, "write the results here");
+  app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
+  app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
+  CLI11_PARSE(app, argc, argv);
+
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && mpipe::cuda_device_count() > 0);
+  const torch::Device device = cuda ? torch::Device("cuda:0") : torch::Device(torch::kCPU);
+  if (!cuda) cfg.cpu_sizes = true;
+  if (cuda) {  // fp32, TF32 off, as the reference runner
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+  }
+  const Timer timer{cuda, cfg.reps, cfg.warmup};
+  // The CPU form keeps each workload's shape but shrinks it to run in seconds.
+  const bool small = cfg.cpu_sizes;
+  auto wanted = [&](const std::string& name) {
+    return cfg.only.empty() || ("," + cfg.only + ",").find("," + name + ",") != std::string::npos;
+  };
+
+  json results;
+  results["device"] = device.str();
+  results["cpu_sizes"] = cfg.cpu_sizes;
+  results["threads"] = !cfg.inline_host;
+  results["reps"] = cfg.reps;
+  std::printf("mpipe %s benchmark on %s%s, median of %lld runs (ms)\n", MPIPE_VERSION_STRING,
+              device.str().c_str(), cfg.cpu_sizes ? " (CPU sizes)" : "",
+              static_cast<long long>(cfg.reps));
+  auto report = [&](const std::string& name, const json& r) {
+    results["workloads"][name] = r;
+    std::printf("%-11s %s\n", name.c_str(), r.dump().c_str());
+    std::fflush(stdout);
+  };
+  if (wanted("narrow-mlp")) {
+    report("narrow-mlp", small ? mlp_workload(timer, device, 128, 32, 64, 8, cfg.inline_host)
+                               : mlp_workload(timer, device, 1024, 32, 512, 64, cfg.inline_host));
+  }
+  if (wanted("wide-mlp")) {
+    report("wide-mlp", small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host)
+                             : mlp_workload(timer, device, 8192, 8, 8192, 1024, cfg.inline_host));
+  }
+  if (wanted("snn-1024")) {
+    report("snn-1024", small ? snn_workload(timer, device, 128, 32, 32, cfg.inline_host)
+                             : snn_workload(timer, device, 1024, 256, 32, cfg.inline_host));
+  }
+  if (wanted("snn-256")) {
+    report("snn-256", small ? snn_workload(timer, device, 32, 8, 64, cfg.inline_host)
+                            : snn_workload(timer, device, 256, 64, 64, cfg.inline_host));
+  }
+  if (wanted("memory") && cuda) {
+    // 4 stages x 2 x Linear(4096, 4096), batch 8192 in 16 micro-batches of 512.
+    report("memory", memory_workload(timer, device, 4096, 2, 8192, 512, cfg.inline_host));
+  }
+  if (!cfg.json_path.empty()) std::ofstream(cfg.json_path) << results.dump(1) << "\n";
+  return 0;
+}
