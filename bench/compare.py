@@ -64,11 +64,13 @@ def main():
     if mem:
         print()
         print("| training step (4 x 2 x Linear(4096), batch 8192, 16 micro-batches) "
-              "| peak allocated MiB | before the step MiB | ms |")
-        print("|---|---|---|---|")
+              "| peak allocated MiB | before the step MiB | step's peak above that MiB | ms |")
+        print("|---|---|---|---|---|")
         for r in mem:
             peaks = ", ".join(f"{d}: {v:.0f}" for d, v in r["peak_allocated_mib"].items())
-            print(f"| {r['mode']} | {peaks} | {r['before_step_mib']:.0f} | {r['train_ms']:.1f} |")
+            above = ", ".join(f"{v:.0f}" for v in r.get("step_peak_above_baseline_mib", {}).values())
+            print(f"| {r['mode']} | {peaks} | {r['before_step_mib']:.0f} | {above} | "
+                  f"{r['train_ms']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,10 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
                            Mode{"1f1b+checkpoint(always)", mpipe::Schedule::OneFOneB,
                                 mpipe::Checkpoint::Always}}) {
     torch::manual_seed(0);
+    timer.sync();
+    // Frees the blocks earlier modes left waiting on stream events, so every
+    // mode starts from the same baseline.
+    c10::cuda::CUDACachingAllocator::emptyCache();
     mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
                                   .worker_threads(!inline_host)
                                   .checkpoint(mode.checkpoint));
@@ -208,6 +212,7 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
     };
     step();  // gradients allocated, as in steady training
     timer.sync();
+    c10::cuda::CUDACachingAllocator::emptyCache();
     json r;
     r["mode"] = mode.name;
     std::map<int, bool> seen;
@@ -219,16 +224,20 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
     const auto base = c10::cuda::CUDACachingAllocator::getDeviceStats(devices.front().index());
     step();
     timer.sync();
-    json peaks = json::object();
+    json peaks = json::object(), above = json::object();
+    const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     for (const auto& kv : seen) {
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(kv.first);
-      const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
       peaks["cuda:" + std::to_string(kv.first)] = stats.allocated_bytes[agg].peak / 1048576.0;
       if (kv.first == devices.front().index()) {
         r["before_step_mib"] = base.allocated_bytes[agg].current / 1048576.0;
+        above["cuda:" + std::to_string(kv.first)] =
+            (stats.allocated_bytes[agg].peak - base.allocated_bytes[agg].current) / 1048576.0;
       }
     }
     r["peak_allocated_mib"] = peaks;
+    // With one device, the step's own memory (activations, gradients in flight).
+    if (seen.size() == 1) r["step_peak_above_baseline_mib"] = above;
     r["train_ms"] = timer.median_ms(step);
     out.push_back(r);
   }

@@ -115,6 +115,7 @@ class Worker {
         queue_.pop_front();
       }
       fn();  // tasks catch their own errors (Runtime::task)
+      fn = nullptr;  // release what the task captured (tensors) before waiting
     }
   }
   std::mutex mutex_;
