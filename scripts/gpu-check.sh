@@ -41,9 +41,12 @@ if [[ " $steps " == *" mlpfm "* ]]; then
 fi
 if [[ " $steps " == *" bench "* ]]; then
   # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
-  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" 2>&1 | tee "$out/bench.log"
-  PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$out/bench.log"
-  python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
+  # shellcheck disable=SC2086
+  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" ${MPIPE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  if [ -z "${MPIPE_BENCH_ARGS:-}" ]; then
+    PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$out/bench.log"
+    python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
+  fi
 fi
 if [[ " $steps " == *" snn "* ]]; then
   # shellcheck disable=SC2086
