@@ -143,6 +143,30 @@ void expect_transparent(torch::nn::Module& model, const torch::Tensor& x,
   zero_grads(model);
 }
 
+/// train_step's transparency: one training step through `pipe` and the loss
+/// of the plain model on a copy of `x`, backpropagated, give equal losses,
+/// gradients of x and gradients of every parameter.
+template <typename Modules>
+void expect_train_step_transparent(mpipe::ModelPipeline& pipe, Modules stages,
+                                   const std::vector<torch::Device>& devices,
+                                   const torch::Tensor& x, const torch::Tensor& target,
+                                   const mpipe::LossFunction& loss_fn,
+                                   const mpipe::TrainStepOptions& step, double tol = 1e-12) {
+  auto x1 = x.detach().clone().requires_grad_();
+  auto loss = pipe->train_step(x1, target, loss_fn, step);
+  EXPECT_FALSE(loss.requires_grad());
+  auto pipe_grads = grads_of(*pipe);
+  zero_grads(*pipe);
+
+  auto x2 = x.detach().clone().requires_grad_();
+  auto loss2 = loss_fn(plain_forward(stages, devices, x2), target);
+  loss2.backward();
+  expect_close(loss, loss2, tol, "loss");
+  expect_close(x1.grad(), x2.grad(), tol, "grad of x");
+  expect_same_grads(pipe_grads, grads_of(*pipe), tol);
+  zero_grads(*pipe);
+}
+
 /// Expects `stmt` to throw c10::Error whose message contains every piece.
 #define MPIPE_EXPECT_ERROR(stmt, ...)                                             \
   do {                                                                              \

@@ -3,12 +3,19 @@
 // Small pieces the training examples share: device lists, timing, progress
 // text, learning-rate schedules.
 
+#include "fashion_mnist.h"
+
 #include <mpipe/device.h>
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -80,6 +87,91 @@ void set_cosine_lr(torch::optim::Optimizer& opt, double base_lr, int64_t step,
                     (1 + std::cos(M_PI * static_cast<double>(step) /
                                   static_cast<double>(std::max<int64_t>(total_steps, 1))));
   for (auto& group : opt.param_groups()) static_cast<Options&>(group.options()).lr(lr);
+}
+
+/// Flags every training example takes.
+struct CommonFlags {
+  std::string devices = "auto";
+  std::string data = kDefaultFashionMnistDir;
+  std::string out;
+  uint64_t seed = 0;
+  int64_t train_limit = 0;
+  int64_t test_limit = 0;
+  double min_accuracy = -1;
+  bool quick = false;
+  bool inline_host = false;
+  bool skip_if_no_data = false;
+};
+
+inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help) {
+  app.add_option("--devices", f.devices,
+                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
+  app.add_option("--data", f.data, "folder with the Fashion-MNIST IDX files (.gz or not)");
+  app.add_option("--out", f.out, "folder for the trained weights");
+  app.add_option("--seed", f.seed, "random seed");
+  app.add_option("--train-limit", f.train_limit, "use the first N training images (0: all)");
+  app.add_option("--test-limit", f.test_limit, "use the first N test images (0: all)");
+  app.add_option("--min-accuracy", f.min_accuracy,
+                 "exit 1 if the final test accuracy (a fraction) is below this");
+  app.add_flag("--quick", f.quick, quick_help);
+  app.add_flag("--inline", f.inline_host, "issue all stages from the caller's thread");
+  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
+               "exit 77 (a skip for ctest) when the data set is not installed");
+}
+
+constexpr int kSkipExitCode = 77;  // ctest's SKIP_RETURN_CODE
+
+/// Both splits of Fashion-MNIST, images on `input_device`, labels on
+/// `label_device`; false (after saying so) when the data are missing and
+/// --skip-if-no-data was given.
+inline bool load_data(const CommonFlags& f, torch::Device input_device, torch::Device label_device,
+                      Dataset& train, Dataset& test) {
+  if (f.skip_if_no_data && !fashion_mnist_present(f.data)) {
+    std::printf("Fashion-MNIST not found in %s: skipped\n", f.data.c_str());
+    return false;
+  }
+  train = load_fashion_mnist(f.data, true, f.train_limit);
+  test = load_fashion_mnist(f.data, false, f.test_limit);
+  for (Dataset* ds : {&train, &test}) {
+    ds->images = ds->images.to(input_device);
+    ds->labels = ds->labels.to(label_device);
+  }
+  return true;
+}
+
+/// The progress line of one epoch, with the ETA from the mean epoch so far.
+inline void print_epoch(int64_t epoch, int64_t epochs, double loss, double train_acc,
+                        double test_acc, int64_t images, double epoch_seconds,
+                        double elapsed_seconds) {
+  std::printf("epoch %3lld/%lld  loss %.4f  train %.2f%%  test %.2f%%  %7.0f img/s  %5.1f s  "
+              "ETA %s\n",
+              static_cast<long long>(epoch), static_cast<long long>(epochs), loss,
+              100 * train_acc, 100 * test_acc, static_cast<double>(images) / epoch_seconds,
+              epoch_seconds,
+              format_duration(elapsed_seconds / static_cast<double>(epoch) *
+                              static_cast<double>(epochs - epoch))
+                  .c_str());
+  std::fflush(stdout);
+}
+
+/// 1 (with a message) if `accuracy` is below --min-accuracy, else 0.
+inline int accuracy_exit_code(double accuracy, double min_accuracy) {
+  if (min_accuracy < 0 || accuracy >= min_accuracy) return 0;
+  std::printf("FAILED: test accuracy %.2f%% is below --min-accuracy %.2f%%\n", 100 * accuracy,
+              100 * min_accuracy);
+  return 1;
+}
+
+/// Runs an example's body; an exception becomes a message and exit code 2.
+inline int run_guarded(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+  }
+  return 2;
 }
 
 }  // namespace examples

@@ -29,9 +29,8 @@
 
 namespace {
 
-constexpr int kSkipExitCode = 77;  // ctest's SKIP_RETURN_CODE
-
 struct Config {
+  examples::CommonFlags common;
   int64_t epochs = 0;  // 0: 12 on GPU, 2 with --quick / on CPU
   int64_t batch_size = 256;
   int64_t split = 64;
@@ -40,16 +39,6 @@ struct Config {
   double dropout = 0.2;
   std::string schedule = "1f1b";
   std::string checkpoint = "never";
-  std::string devices = "auto";
-  std::string data = examples::kDefaultFashionMnistDir;
-  std::string out = "mlp_fashion_mnist_out";
-  uint64_t seed = 0;
-  int64_t train_limit = 0;
-  int64_t test_limit = 0;
-  double min_accuracy = -1;
-  bool quick = false;
-  bool inline_host = false;
-  bool skip_if_no_data = false;
 };
 
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
@@ -64,7 +53,7 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
                           : cfg.checkpoint == "except-last" ? mpipe::Checkpoint::ExceptLast
                                                             : mpipe::Checkpoint::Never;
   mpipe::ModelPipeline pipe(
-      mpipe::ModelPipelineOptions().worker_threads(!cfg.inline_host).checkpoint(checkpoint));
+      mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host).checkpoint(checkpoint));
   pipe->append(first, devices[0])
       .append(block(cfg.hidden), devices[1])
       .append(block(cfg.hidden), devices[2])
@@ -86,29 +75,25 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, int64
 }
 
 int run(Config cfg) {
-  const auto devices = examples::stage_devices(cfg.devices, 4);
+  examples::CommonFlags& common = cfg.common;
+  const auto devices = examples::stage_devices(common.devices, 4);
   const bool cuda = devices.front().is_cuda() || devices.back().is_cuda();
-  if (cfg.quick) {
+  if (common.quick) {
     cfg.hidden = 256;
-    if (cfg.train_limit == 0) cfg.train_limit = 6000;
-    if (cfg.test_limit == 0) cfg.test_limit = 2000;
+    if (common.train_limit == 0) common.train_limit = 6000;
+    if (common.test_limit == 0) common.test_limit = 2000;
   }
-  if (cfg.epochs == 0) cfg.epochs = cfg.quick || !cuda ? 2 : 12;
-  torch::manual_seed(cfg.seed);
-  if (cuda) torch::cuda::manual_seed_all(cfg.seed);
+  if (cfg.epochs == 0) cfg.epochs = common.quick || !cuda ? 2 : 12;
+  torch::manual_seed(common.seed);
+  if (cuda) torch::cuda::manual_seed_all(common.seed);
 
-  if (!examples::fashion_mnist_present(cfg.data) && cfg.skip_if_no_data) {
-    std::printf("Fashion-MNIST not found in %s: skipped\n", cfg.data.c_str());
-    return kSkipExitCode;
+  examples::Dataset train, test;
+  if (!examples::load_data(common, devices.front(), devices.back(), train, test)) {
+    return examples::kSkipExitCode;
   }
-  auto train = examples::load_fashion_mnist(cfg.data, true, cfg.train_limit);
-  auto test = examples::load_fashion_mnist(cfg.data, false, cfg.test_limit);
   // Standardise with the training set's statistics.
   const double mean = train.images.mean().item<double>(), std = train.images.std().item<double>();
-  for (auto* ds : {&train, &test}) {
-    ds->images = ((ds->images - mean) / std).to(devices.front());
-    ds->labels = ds->labels.to(devices.back());
-  }
+  for (auto* ds : {&train, &test}) ds->images = (ds->images - mean) / std;
 
   auto pipe = build_model(cfg, devices);
   const auto schedule = cfg.schedule == "gpipe" ? mpipe::Schedule::GPipe : mpipe::Schedule::OneFOneB;
@@ -148,31 +133,22 @@ int run(Config cfg) {
     train_seconds += epoch_train_s;
     const double train_acc = evaluate(pipe, train, cfg.split);
     last = evaluate(pipe, test, cfg.split);
-    const double elapsed = examples::seconds_since(t_start);
-    std::printf("epoch %3lld/%lld  loss %.4f  train %.2f%%  test %.2f%%  %7.0f img/s  "
-                "%5.1f s  ETA %s\n",
-                static_cast<long long>(epoch), static_cast<long long>(cfg.epochs), mean_loss,
-                100 * train_acc, 100 * last, train.size() / epoch_train_s, epoch_train_s,
-                examples::format_duration(elapsed / epoch * (cfg.epochs - epoch)).c_str());
-    std::fflush(stdout);
+    examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
+                          epoch_train_s, examples::seconds_since(t_start));
   }
-  std::filesystem::create_directories(cfg.out);
-  const std::string path = cfg.out + "/mlp_fashion_mnist.pt";
+  std::filesystem::create_directories(common.out);
+  const std::string path = common.out + "/mlp_fashion_mnist.pt";
   torch::save(pipe, path);
   std::printf("final test accuracy %.2f%%; %s of training; weights saved to %s\n", 100 * last,
               examples::format_duration(train_seconds).c_str(), path.c_str());
-  if (cfg.min_accuracy >= 0 && last < cfg.min_accuracy) {
-    std::printf("FAILED: test accuracy %.2f%% is below --min-accuracy %.2f%%\n", 100 * last,
-                100 * cfg.min_accuracy);
-    return 1;
-  }
-  return 0;
+  return examples::accuracy_exit_code(last, common.min_accuracy);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
+  cfg.common.out = "mlp_fashion_mnist_out";
   CLI::App app{"Train a pipelined MLP on Fashion-MNIST with GPipe or 1F1B"};
   app.add_option("--epochs", cfg.epochs, "epochs (default: 12 on GPU, 2 on CPU or --quick)");
   app.add_option("-b,--batch-size", cfg.batch_size, "batch size")->check(CLI::PositiveNumber);
@@ -184,26 +160,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
   app.add_option("--checkpoint", cfg.checkpoint, "never, except-last or always")
       ->check(CLI::IsMember({"never", "except-last", "always"}));
-  app.add_option("--devices", cfg.devices,
-                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
-  app.add_option("--data", cfg.data, "folder with the Fashion-MNIST IDX files (.gz or not)");
-  app.add_option("--out", cfg.out, "folder for the trained weights");
-  app.add_option("--seed", cfg.seed, "random seed");
-  app.add_option("--train-limit", cfg.train_limit, "use the first N training images (0: all)");
-  app.add_option("--test-limit", cfg.test_limit, "use the first N test images (0: all)");
-  app.add_option("--min-accuracy", cfg.min_accuracy,
-                 "exit 1 if the final test accuracy (a fraction) is below this");
-  app.add_flag("--quick", cfg.quick, "a brief run: hidden 256, 6000 train / 2000 test images");
-  app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
-  app.add_flag("--skip-if-no-data", cfg.skip_if_no_data,
-               "exit 77 (a skip for ctest) when the data set is not installed");
+  examples::add_common_flags(app, cfg.common,
+                             "a brief run: hidden 256, 6000 train / 2000 test images");
   CLI11_PARSE(app, argc, argv);
-  try {
-    return run(cfg);
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-  }
-  return 2;
+  return examples::run_guarded([&] { return run(cfg); });
 }

@@ -32,9 +32,8 @@
 
 namespace {
 
-constexpr int kSkipExitCode = 77;  // ctest's SKIP_RETURN_CODE
-
 struct Config {
+  examples::CommonFlags common;
   int64_t epochs = 0;  // 0: 24 on GPU, 4 on CPU (2 with --quick)
   int64_t batch_size = 128;
   int64_t time_steps = 4;
@@ -42,20 +41,10 @@ struct Config {
   double momentum = 0.9;
   int64_t channels = 128;
   int64_t hidden = 2048;
-  std::string devices = "auto";
-  std::string data = examples::kDefaultFashionMnistDir;
-  std::string out = "snn_fashion_mnist_out";
   std::string eval_path;
-  uint64_t seed = 0;
-  int64_t train_limit = 0;
-  int64_t test_limit = 0;
   int64_t test_batch = 1000;
-  double min_accuracy = -1;
-  bool quick = false;
   bool quick_on_cpu = false;
-  bool inline_host = false;
   bool no_tf32 = false;
-  bool skip_if_no_data = false;
 };
 
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
@@ -72,7 +61,7 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   nn::Sequential fc1(nn::Flatten(), nn::Linear(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false)),
                      IFNode(neuron));
   nn::Sequential fc2(nn::Linear(nn::LinearOptions(cfg.hidden, 10).bias(false)), IFNode(neuron));
-  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!cfg.inline_host));
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host));
   pipe->append(conv1, devices[0])
       .append(conv2, devices[1])
       .append(fc1, devices[2])
@@ -98,37 +87,32 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const
 }
 
 int run(Config cfg) {
-  const auto devices = examples::stage_devices(cfg.devices, 4);
+  examples::CommonFlags& common = cfg.common;
+  const auto devices = examples::stage_devices(common.devices, 4);
   const bool cuda = devices.front().is_cuda() || devices.back().is_cuda();
-  if (cfg.quick_on_cpu && !cuda) cfg.quick = true;
-  if (cfg.quick) {
+  if (cfg.quick_on_cpu && !cuda) common.quick = true;
+  if (common.quick) {
     cfg.channels = 16;
     cfg.hidden = 256;
     cfg.batch_size = 64;
-    if (cfg.train_limit == 0) cfg.train_limit = 4000;
-    if (cfg.test_limit == 0) cfg.test_limit = 2000;
+    if (common.train_limit == 0) common.train_limit = 4000;
+    if (common.test_limit == 0) common.test_limit = 2000;
     cfg.test_batch = std::min<int64_t>(cfg.test_batch, 250);  // large CPU batches are slower
   }
-  if (cfg.epochs == 0) cfg.epochs = cfg.quick ? 2 : (cuda ? 24 : 4);
-  torch::manual_seed(cfg.seed);
+  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 24 : 4);
+  torch::manual_seed(common.seed);
   if (cuda) {
-    torch::cuda::manual_seed_all(cfg.seed);
+    torch::cuda::manual_seed_all(common.seed);
     at::globalContext().setBenchmarkCuDNN(true);
     at::globalContext().setAllowTF32CuBLAS(!cfg.no_tf32);
     at::globalContext().setAllowTF32CuDNN(!cfg.no_tf32);
   }
 
-  if (!examples::fashion_mnist_present(cfg.data) && cfg.skip_if_no_data) {
-    std::printf("Fashion-MNIST not found in %s: skipped\n", cfg.data.c_str());
-    return kSkipExitCode;
-  }
-  auto train = examples::load_fashion_mnist(cfg.data, true, cfg.train_limit);
-  auto test = examples::load_fashion_mnist(cfg.data, false, cfg.test_limit);
   // The whole data set lives on the first stage's device; labels where the output is.
-  train.images = train.images.to(devices.front());
-  test.images = test.images.to(devices.front());
-  train.labels = train.labels.to(devices.back());
-  test.labels = test.labels.to(devices.back());
+  examples::Dataset train, test;
+  if (!examples::load_data(common, devices.front(), devices.back(), train, test)) {
+    return examples::kSkipExitCode;
+  }
 
   auto pipe = build_model(cfg, devices);
   std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s, T=%lld, %lld train / %lld test "
@@ -137,13 +121,13 @@ int run(Config cfg) {
               static_cast<long long>(cfg.time_steps), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.channels), static_cast<long long>(cfg.hidden),
-              cfg.quick ? " (quick)" : "");
+              common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
     torch::load(pipe, cfg.eval_path);
     const double acc = evaluate(pipe, test, cfg);
     std::printf("test accuracy of %s: %.2f%%\n", cfg.eval_path.c_str(), 100 * acc);
-    return cfg.min_accuracy >= 0 && acc < cfg.min_accuracy ? 1 : 0;
+    return examples::accuracy_exit_code(acc, common.min_accuracy);
   }
 
   torch::optim::SGD opt(pipe->parameters(),
@@ -186,35 +170,26 @@ int run(Config cfg) {
       best = last;
       best_epoch = epoch;
     }
-    const double elapsed = examples::seconds_since(t_start);
-    std::printf("epoch %3lld/%lld  loss %.4f  train %.2f%%  test %.2f%%  %7.0f img/s  "
-                "%5.1f s  ETA %s\n",
-                static_cast<long long>(epoch), static_cast<long long>(cfg.epochs), mean_loss,
-                100 * train_acc, 100 * last, train.size() / epoch_train_s, epoch_train_s,
-                examples::format_duration(elapsed / epoch * (cfg.epochs - epoch)).c_str());
-    std::fflush(stdout);
+    examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
+                          epoch_train_s, examples::seconds_since(t_start));
   }
 
-  std::filesystem::create_directories(cfg.out);
-  const std::string path = cfg.out + "/snn_fashion_mnist.pt";
+  std::filesystem::create_directories(common.out);
+  const std::string path = common.out + "/snn_fashion_mnist.pt";
   torch::save(pipe, path);
   std::printf("final test accuracy %.2f%% (best %.2f%% at epoch %lld); %s of training "
               "(%s with evaluation); weights saved to %s\n",
               100 * last, 100 * best, static_cast<long long>(best_epoch),
               examples::format_duration(train_seconds).c_str(),
               examples::format_duration(examples::seconds_since(t_start)).c_str(), path.c_str());
-  if (cfg.min_accuracy >= 0 && last < cfg.min_accuracy) {
-    std::printf("FAILED: test accuracy %.2f%% is below --min-accuracy %.2f%%\n", 100 * last,
-                100 * cfg.min_accuracy);
-    return 1;
-  }
-  return 0;
+  return examples::accuracy_exit_code(last, common.min_accuracy);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
+  cfg.common.out = "snn_fashion_mnist_out";
   CLI::App app{"Train a convolutional SNN on Fashion-MNIST through an mpipe pipeline"};
   app.add_option("--epochs", cfg.epochs, "epochs (default: 24 on GPU, 4 on CPU, 2 with --quick)");
   app.add_option("-b,--batch-size", cfg.batch_size, "training batch size")
@@ -226,32 +201,13 @@ int main(int argc, char** argv) {
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
   app.add_option("--hidden", cfg.hidden, "hidden units of the first linear layer")
       ->check(CLI::PositiveNumber);
-  app.add_option("--devices", cfg.devices,
-                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
-  app.add_option("--data", cfg.data, "folder with the Fashion-MNIST IDX files (.gz or not)");
-  app.add_option("--out", cfg.out, "folder for the trained weights");
   app.add_option("--eval", cfg.eval_path, "evaluate saved weights instead of training");
-  app.add_option("--seed", cfg.seed, "random seed");
-  app.add_option("--train-limit", cfg.train_limit, "use the first N training images (0: all)");
-  app.add_option("--test-limit", cfg.test_limit, "use the first N test images (0: all)");
   app.add_option("--test-batch", cfg.test_batch, "evaluation batch size")
       ->check(CLI::PositiveNumber);
-  app.add_option("--min-accuracy", cfg.min_accuracy,
-                 "exit 1 if the final test accuracy (a fraction) is below this");
-  app.add_flag("--quick", cfg.quick,
-               "a brief run for CPUs: small model, 4000 train / 2000 test images, 2 epochs");
   app.add_flag("--quick-on-cpu", cfg.quick_on_cpu, "--quick when no GPU is used");
-  app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
   app.add_flag("--no-tf32", cfg.no_tf32, "keep fp32 matrix products and convolutions exact");
-  app.add_flag("--skip-if-no-data", cfg.skip_if_no_data,
-               "exit 77 (a skip for ctest) when the data set is not installed");
+  examples::add_common_flags(
+      app, cfg.common, "a brief run for CPUs: small model, 4000 train / 2000 test images, 2 epochs");
   CLI11_PARSE(app, argc, argv);
-  try {
-    return run(cfg);
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-  }
-  return 2;
+  return examples::run_guarded([&] { return run(cfg); });
 }

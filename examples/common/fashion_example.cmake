@@ -1,0 +1,20 @@
+# Shared CMake for the Fashion-MNIST training examples.
+
+# An example executable `name` from main.cpp and the shared data loader.
+function(mpipe_fashion_example name)
+  find_package(ZLIB REQUIRED)
+  find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
+  set(common ${CMAKE_CURRENT_FUNCTION_LIST_DIR})
+  add_executable(${name} main.cpp ${common}/fashion_mnist.cpp)
+  target_include_directories(${name} PRIVATE ${common})
+  target_include_directories(${name} SYSTEM PRIVATE ${CLI11_INCLUDE_DIR})
+  target_link_libraries(${name} PRIVATE mpipe::mpipe ZLIB::ZLIB)
+endfunction()
+
+# A ctest that runs `name` on the CPU with `min_accuracy` asserted and the
+# remaining arguments; skipped (exit 77) where the data set is not installed.
+function(mpipe_fashion_accuracy_test test_name name min_accuracy)
+  add_test(NAME ${test_name}
+    COMMAND ${name} --devices cpu --min-accuracy ${min_accuracy} --skip-if-no-data ${ARGN})
+  set_tests_properties(${test_name} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 900 PROCESSORS 2)
+endfunction()
