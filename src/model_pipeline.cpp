@@ -58,23 +58,23 @@ ModelPipelineImpl& ModelPipelineImpl::append_stage(std::shared_ptr<torch::nn::Mo
   return *this;
 }
 
-void ModelPipelineImpl::check_runnable(const char* method, const at::Tensor& x) const {
+void ModelPipelineImpl::check_runnable(const char* method, const at::Tensor& x,
+                                       bool time_major) const {
   TORCH_CHECK(!is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
   TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
-  if (std::string(method) == "sequence_forward") {
-    TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::sequence_forward: x_seq must be [T, N, ...] "
-                "(time, then batch), got shape ", x.sizes());
-    TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::sequence_forward: the sequence has no time "
-                "steps (T = 0), shape ", x.sizes());
-    TORCH_CHECK(x.size(1) > 0, "mpipe::ModelPipeline::sequence_forward: the batch is empty "
-                "(size 0 along dim 1), shape ", x.sizes());
-    return;
+  if (time_major) {
+    TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::", method,
+                ": x_seq must be [T, N, ...] (time, then batch), got shape ", x.sizes());
+    TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::", method,
+                ": the sequence has no time steps (T = 0), shape ", x.sizes());
   }
-  TORCH_CHECK(x.dim() >= 1, "mpipe::ModelPipeline::", method,
+  const int64_t batch_dim = time_major ? 1 : 0;
+  TORCH_CHECK(x.dim() > batch_dim, "mpipe::ModelPipeline::", method,
               ": the input needs a batch dimension (dim 0), got a 0-dim tensor");
-  TORCH_CHECK(x.size(0) > 0, "mpipe::ModelPipeline::", method,
-              ": the input's batch is empty (size 0 along dim 0), shape ", x.sizes());
+  TORCH_CHECK(x.size(batch_dim) > 0, "mpipe::ModelPipeline::", method,
+              ": the input's batch is empty (size 0 along dim ", batch_dim, "), shape ",
+              x.sizes());
 }
 
 namespace {
@@ -132,7 +132,7 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
 }
 
 at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce) {
-  check_runnable("sequence_forward", x_seq);
+  check_runnable("sequence_forward", x_seq, /*time_major=*/true);
   detail::Job job;
   job.method = "sequence_forward";
   job.item_name = "time step";

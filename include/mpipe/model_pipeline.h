@@ -135,7 +135,7 @@ class ModelPipelineImpl : public torch::nn::Module {
  private:
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
-  void check_runnable(const char* method, const at::Tensor& x) const;
+  void check_runnable(const char* method, const at::Tensor& x, bool time_major = false) const;
   void check_placement_kept(c10::Device device, const char* what) const;
 
   torch::nn::ModuleList stages_;
