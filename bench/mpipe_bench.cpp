@@ -110,6 +110,11 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
     torch::NoGradGuard no_grad;
     r["plain_fwd_ms"] = timer.median_ms([&] { run_plain(stages, devices, x); });
     r["mpipe_fwd_ms"] = timer.median_ms([&] { pipe->forward(x, split); });
+    if (timer.cuda) {  // the same stages, replayed from a CUDA graph
+      mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+      for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
+      r["mpipe_graph_fwd_ms"] = timer.median_ms([&] { graphed->forward(x, split); });
+    }
   }
   r["plain_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();
@@ -157,6 +162,14 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
     torch::NoGradGuard no_grad;
     r["plain_loop_fwd_ms"] = timer.median_ms([&] { loop(); });
     r["mpipe_constant_fwd_ms"] = timer.median_ms([&] { piped(); });
+    if (timer.cuda) {  // the same stages, replayed from a CUDA graph
+      mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+      for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
+      r["mpipe_graph_constant_fwd_ms"] = timer.median_ms([&] {
+        mpipe::reset_states(*graphed);
+        graphed->constant_forward(x, T, true);
+      });
+    }
   }
   r["plain_loop_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();

@@ -1,10 +1,13 @@
 #include "mpipe/model_pipeline.h"
+#include "mpipe/state.h"
 
+#include "graphs.h"
 #include "runtime.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <c10/util/Exception.h>
@@ -16,7 +19,9 @@
 namespace mpipe {
 
 ModelPipelineImpl::ModelPipelineImpl(ModelPipelineOptions options_)
-    : options(options_), runtime_(std::make_unique<detail::Runtime>()) {
+    : options(options_),
+      runtime_(std::make_unique<detail::Runtime>()),
+      graphs_(detail::make_graph_cache()) {
   stages_ = register_module("stages", torch::nn::ModuleList());
 }
 
@@ -52,6 +57,7 @@ ModelPipelineImpl& ModelPipelineImpl::append_stage(std::shared_ptr<torch::nn::Mo
   }
   module->to(resolved);
   runtime_->add_stage(resolved);
+  clear_cuda_graphs();
   stages_->push_back(std::move(module));
   forwards_.push_back(std::move(forward));
   devices_.push_back(resolved);
@@ -99,52 +105,88 @@ at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
   check_runnable("forward", x);
   TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::forward: split_size must be positive, got ",
               split_size);
-  const std::vector<at::Tensor> chunks = x.split(split_size, 0);
-  detail::Job job;
-  job.method = "forward";
-  job.item_name = "micro-batch";
-  job.n_items = static_cast<int64_t>(chunks.size());
-  job.micro_batched = true;
-  job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
-  {
-    std::lock_guard<std::mutex> lock(call_mutex_);
-    runtime_->execute(job, forwards_, options.worker_threads(), x);
-  }
-  return gather_items(job, size());
+  return run_call("forward/" + std::to_string(split_size), x,
+                  [&](const at::Tensor& in, bool threaded) {
+                    const std::vector<at::Tensor> chunks = in.split(split_size, 0);
+                    detail::Job job;
+                    job.method = "forward";
+                    job.item_name = "micro-batch";
+                    job.n_items = static_cast<int64_t>(chunks.size());
+                    job.micro_batched = true;
+                    job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
+                    runtime_->execute(job, forwards_, threaded, in);
+                    return gather_items(job, size());
+                  });
 }
 
 at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, bool reduce) {
   check_runnable("constant_forward", x);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
               "must be positive, got ", T);
-  detail::Job job;
-  job.method = "constant_forward";
-  job.item_name = "time step";
-  job.n_items = T;
-  job.same_input = true;
-  job.reduce_sum = reduce;
-  job.source = [&x](int64_t) { return x; };
-  {
-    std::lock_guard<std::mutex> lock(call_mutex_);
-    runtime_->execute(job, forwards_, options.worker_threads(), x);
-  }
-  return gather_items(job, size());
+  return run_call("constant_forward/" + std::to_string(T) + "/" + std::to_string(reduce), x,
+                  [&](const at::Tensor& in, bool threaded) {
+                    detail::Job job;
+                    job.method = "constant_forward";
+                    job.item_name = "time step";
+                    job.n_items = T;
+                    job.same_input = true;
+                    job.reduce_sum = reduce;
+                    job.source = [&in](int64_t) { return in; };
+                    runtime_->execute(job, forwards_, threaded, in);
+                    return gather_items(job, size());
+                  });
 }
 
 at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce) {
   check_runnable("sequence_forward", x_seq, /*time_major=*/true);
-  detail::Job job;
-  job.method = "sequence_forward";
-  job.item_name = "time step";
-  job.n_items = x_seq.size(0);
-  job.reduce_sum = reduce;
-  job.stack_outputs = true;
-  job.source = [&x_seq](int64_t t) { return x_seq.select(0, t); };
-  {
-    std::lock_guard<std::mutex> lock(call_mutex_);
-    runtime_->execute(job, forwards_, options.worker_threads(), x_seq);
+  return run_call("sequence_forward/" + std::to_string(reduce), x_seq,
+                  [&](const at::Tensor& in, bool threaded) {
+                    detail::Job job;
+                    job.method = "sequence_forward";
+                    job.item_name = "time step";
+                    job.n_items = in.size(0);
+                    job.reduce_sum = reduce;
+                    job.stack_outputs = true;
+                    job.source = [&in](int64_t t) { return in.select(0, t); };
+                    runtime_->execute(job, forwards_, threaded, in);
+                    return gather_items(job, size());
+                  });
+}
+
+bool ModelPipelineImpl::graphable(const at::Tensor& x) const {
+  if (!options.cuda_graphs() || !graphs_ || c10::GradMode::is_enabled() || !x.is_cuda()) {
+    return false;
   }
-  return gather_items(job, size());
+  for (const auto& d : devices_) {
+    if (d != x.device()) return false;  // one device per graph (at::cuda::CUDAGraph)
+  }
+  for (const auto& m : modules(/*include_self=*/false)) {
+    const auto* stateful = dynamic_cast<const Stateful*>(m.get());
+    if (stateful && stateful->holds_state()) return false;
+  }
+  return true;
+}
+
+at::Tensor ModelPipelineImpl::run_call(
+    std::string key, const at::Tensor& x,
+    const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  if (graphable(x)) {
+    key += "|" + c10::str(x.sizes()) + "|" + c10::toString(x.scalar_type()) +
+           (is_training() ? "|train" : "|eval");
+    at::Tensor out = detail::run_graphed(
+        *graphs_, key, x, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
+        [this] { reset_states(*this); });
+    if (out.defined()) {
+      reset_states(*this);  // Note [CUDA graphs]: state does not outlive a graphed call
+      return out;
+    }
+  }
+  return eager(x, options.worker_threads());
+}
+
+void ModelPipelineImpl::clear_cuda_graphs() {
+  if (graphs_) graphs_ = detail::make_graph_cache();
 }
 
 at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tensor& target,
@@ -224,11 +266,12 @@ void ModelPipelineImpl::check_placement_kept(c10::Device device, const char* wha
 
 void ModelPipelineImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   check_placement_kept(device, "to");
-  torch::nn::Module::to(dtype, non_blocking);
+  to(dtype, non_blocking);
 }
 
 void ModelPipelineImpl::to(torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(dtype, non_blocking);
+  clear_cuda_graphs();  // parameters have new storage
 }
 
 void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
@@ -238,6 +281,7 @@ void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
 void ModelPipelineImpl::load(torch::serialize::InputArchive& archive) {
   torch::nn::Module::load(archive);
   for (size_t i = 0; i < size(); ++i) stages_->ptr(i)->to(devices_[i]);
+  clear_cuda_graphs();  // loaded parameters may have new storage
 }
 
 void ModelPipelineImpl::pretty_print(std::ostream& stream) const {

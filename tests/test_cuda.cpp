@@ -187,6 +187,61 @@ TEST(MultiCuda, TrainStepAcrossGpus_MultiCUDA) {
   check_train_step({g0, g1, g0, g1});
 }
 
+TEST(Cuda, GraphedForwardMatchesEagerForward_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(17);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  for (int i = 0; i < 3; ++i) {
+    auto s = mlp_stage(16, 16);
+    eager->append(s, "cuda:0");
+    graphed->append(s, "cuda:0");  // the same modules: the same parameters
+  }
+  torch::NoGradGuard no_grad;
+  for (int rep = 0; rep < 3; ++rep) {
+    for (int64_t batch : {12, 7}) {  // two shapes: two graphs
+      auto x = torch::randn({batch, 16}, torch::Device("cuda:0"));
+      expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "forward");
+    }
+  }
+  // In-place parameter updates (an optimizer's) reach the replays.
+  for (auto& p : eager->parameters()) p.mul_(0.5);
+  auto x = torch::randn({12, 16}, torch::Device("cuda:0"));
+  expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "after an update");
+  // With gradients on, the call runs eagerly and is differentiable.
+  torch::AutoGradMode grad_on(true);
+  EXPECT_TRUE(graphed->forward(x, 4).requires_grad());
+}
+
+TEST(Cuda, GraphedSpikingCallsMatchEagerCalls_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(18);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  std::vector<mpipe::snn::LIFNode> neurons;
+  for (int i = 0; i < 4; ++i) {
+    neurons.emplace_back();
+    torch::nn::Sequential s(torch::nn::Linear(32, 32), neurons.back());
+    eager->append(s, "cuda:0");
+    graphed->append(s, "cuda:0");
+  }
+  torch::NoGradGuard no_grad;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto x = torch::rand({8, 32}, torch::Device("cuda:0")) * 2;
+    mpipe::reset_states(*eager);
+    auto want = eager->constant_forward(x, 6);
+    EXPECT_GT(want.sum().item<double>(), 0.0) << "the test should make spikes";
+    mpipe::reset_states(*eager);
+    expect_close(graphed->constant_forward(x, 6), want, 1e-6, "constant_forward");
+    for (auto& n : neurons) EXPECT_FALSE(n->holds_state()) << "reset after a graphed call";
+    auto frames = torch::rand({5, 8, 32}, torch::Device("cuda:0")) * 2;
+    mpipe::reset_states(*eager);
+    auto want_seq = eager->sequence_forward(frames);
+    mpipe::reset_states(*eager);
+    expect_close(graphed->sequence_forward(frames), want_seq, 1e-6, "sequence_forward");
+  }
+}
+
 TEST(Cuda, NeuronStateFollowsTheInputAcrossDevices_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   mpipe::snn::LIFNode node;

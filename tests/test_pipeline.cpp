@@ -307,6 +307,19 @@ TEST(PipelineBuild, DtypeCastsKeepPlacementAndDeviceMovesAreChecked) {
   for (auto& p : pipe->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
 }
 
+TEST(PipelineBuild, CudaGraphsOptionRunsEagerlyWhereItCannotCapture) {
+  torch::manual_seed(4);
+  auto stage = mlp_stage(3, 3);
+  auto plain = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  plain->append(stage, "cpu");
+  graphed->append(stage, "cpu");
+  torch::NoGradGuard no_grad;  // CPU stages: no graph, the same result
+  auto x = torch::randn({5, 3});
+  expect_close(graphed->forward(x, 2), plain->forward(x, 2), 0.0);
+  expect_close(graphed->constant_forward(x, 3), plain->constant_forward(x, 3), 0.0);
+}
+
 // ---------------------------------------------------------------------------
 // Devices.
 

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@ namespace mpipe {
 
 namespace detail {
 class Runtime;
+class GraphCache;
 /// How the runtime calls a stage: one tensor in, one tensor out.
 using StageForward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -128,6 +130,10 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// Loads like Module::load, then puts each stage back on its device (an
   /// archive may have been saved from, or mapped to, other devices).
   void load(torch::serialize::InputArchive& archive) override;
+  /// Drops captured CUDA graphs (Note [CUDA graphs]); call it after replacing
+  /// a stage's parameter or buffer tensors by hand (in-place updates, such as
+  /// an optimizer's, need nothing).
+  void clear_cuda_graphs();
   void pretty_print(std::ostream& stream) const override;
 
   ModelPipelineOptions options;
@@ -137,11 +143,17 @@ class ModelPipelineImpl : public torch::nn::Module {
                                   detail::StageForward forward, const DeviceArg& device);
   void check_runnable(const char* method, const at::Tensor& x, bool time_major = false) const;
   void check_placement_kept(c10::Device device, const char* what) const;
+  bool graphable(const at::Tensor& x) const;
+  /// Runs a call: replayed from a CUDA graph when options.cuda_graphs() allows
+  /// it, else `eager(x, worker_threads)`.
+  at::Tensor run_call(std::string key, const at::Tensor& x,
+                      const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
 
   torch::nn::ModuleList stages_;
   std::vector<detail::StageForward> forwards_;
   std::vector<c10::Device> devices_;
   std::unique_ptr<detail::Runtime> runtime_;
+  std::shared_ptr<detail::GraphCache> graphs_;  // null without CUDA
   std::mutex call_mutex_;  // one forward at a time: stages' state must see calls in order
 };
 

@@ -78,6 +78,9 @@ class Stateful {
   virtual ~Stateful() = default;
   /// Forgets all state, for every micro-batch.
   virtual void reset_state() = 0;
+  /// Whether the module holds state now (false right after reset_state()).
+  /// The default, true, is the safe answer for modules that cannot tell.
+  virtual bool holds_state() const { return true; }
 };
 
 /// Calls reset_state() on every module in `module`'s tree (itself included)

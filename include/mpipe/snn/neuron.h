@@ -50,6 +50,7 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   /// One time step: charge with `x`, fire, reset; returns the spikes.
   at::Tensor forward(const at::Tensor& x);
   void reset_state() override { v_.clear(); }
+  bool holds_state() const override { return !v_.slots().empty(); }
   /// Membrane potentials, one per micro-batch seen since the last reset.
   const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
 
