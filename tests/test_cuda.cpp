@@ -221,7 +221,13 @@ TEST(Cuda, GraphedSpikingCallsMatchEagerCalls_CUDA) {
   std::vector<mpipe::snn::LIFNode> neurons;
   for (int i = 0; i < 4; ++i) {
     neurons.emplace_back();
-    torch::nn::Sequential s(torch::nn::Linear(32, 32), neurons.back());
+    torch::nn::Linear fc(32, 32);
+    {
+      torch::NoGradGuard no_grad;  // strong enough that every layer fires
+      fc->weight.mul_(3);
+      fc->bias.fill_(1.2);  // spike rate about 0.25 (checked on the CPU)
+    }
+    torch::nn::Sequential s(fc, neurons.back());
     eager->append(s, "cuda:0");
     graphed->append(s, "cuda:0");
   }
@@ -230,7 +236,9 @@ TEST(Cuda, GraphedSpikingCallsMatchEagerCalls_CUDA) {
     auto x = torch::rand({8, 32}, torch::Device("cuda:0")) * 2;
     mpipe::reset_states(*eager);
     auto want = eager->constant_forward(x, 6);
-    EXPECT_GT(want.sum().item<double>(), 0.0) << "the test should make spikes";
+    const double rate = want.mean().item<double>() / 6;
+    EXPECT_TRUE(rate > 0.05 && rate < 0.95) << "spike rate " << rate
+                                            << ": too few or too many spikes make the test weak";
     mpipe::reset_states(*eager);
     expect_close(graphed->constant_forward(x, 6), want, 1e-6, "constant_forward");
     for (auto& n : neurons) EXPECT_FALSE(n->holds_state()) << "reset after a graphed call";
