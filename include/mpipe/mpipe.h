@@ -2,6 +2,7 @@
 
 // Everything mpipe offers, in one include.
 
+#include <mpipe/balance.h>
 #include <mpipe/batchnorm.h>
 #include <mpipe/checkpoint.h>
 #include <mpipe/device.h>

@@ -1,0 +1,92 @@
+// Balancing: the exact partition against brute force, and pipelines built from
+// a Sequential with a manual split.
+
+#include "common.h"
+
+#include <mpipe/balance.h>
+
+#include <functional>
+#include <random>
+
+using namespace mpipe_test;
+namespace balance = mpipe::balance;
+
+namespace {
+
+/// Smallest largest-block sum over every split of `costs` into n blocks.
+double brute_force(const std::vector<double>& costs, int64_t n) {
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<int64_t> sizes;
+  std::function<void(int64_t, int64_t)> rec = [&](int64_t at, int64_t left) {
+    const auto L = static_cast<int64_t>(costs.size());
+    if (left == 1) {
+      sizes.push_back(L - at);
+      best = std::min(best, balance::max_block_cost(costs, sizes));
+      sizes.pop_back();
+      return;
+    }
+    for (int64_t len = 1; at + len <= L - (left - 1); ++len) {
+      sizes.push_back(len);
+      rec(at + len, left - 1);
+      sizes.pop_back();
+    }
+  };
+  rec(0, n);
+  return best;
+}
+
+}  // namespace
+
+TEST(Balance, PartitionIsOptimalAgainstBruteForce) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t L = 1 + static_cast<int64_t>(rng() % 10);
+    const int64_t n = 1 + static_cast<int64_t>(rng() % L);
+    std::vector<double> costs;
+    for (int64_t i = 0; i < L; ++i) costs.push_back(static_cast<double>(rng() % 20));  // exact sums
+    const auto sizes = balance::partition(costs, n);
+    ASSERT_EQ(static_cast<int64_t>(sizes.size()), n);
+    EXPECT_EQ(balance::max_block_cost(costs, sizes), brute_force(costs, n))
+        << "trial " << trial << ", " << L << " layers, " << n << " blocks";
+  }
+}
+
+TEST(Balance, KnownSplits) {
+  // A greedy split that fills blocks up to the mean (15 / 3 = 5) takes [5], [1, 1, 1, 1],
+  // [1, 5]: largest 6. The optimum is 5: [5], [1, 1, 1, 1, 1], [5].
+  EXPECT_EQ(balance::partition({5, 1, 1, 1, 1, 1, 5}, 3), (std::vector<int64_t>{1, 5, 1}));
+  EXPECT_EQ(balance::partition({1, 1, 1, 1}, 2), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(balance::partition({3, 0, 0}, 3), (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(balance::partition({2, 2, 2}, 1), (std::vector<int64_t>{3}));
+  EXPECT_DOUBLE_EQ(balance::max_block_cost({1, 2, 3, 4}, {2, 2}), 7.0);
+}
+
+TEST(Balance, BadInputsAreRefused) {
+  MPIPE_EXPECT_ERROR(balance::partition({1, 2}, 3), "2 layer(s) cannot fill 3 non-empty blocks");
+  MPIPE_EXPECT_ERROR(balance::partition({1, 2}, 0), "at least one block, got 0");
+  MPIPE_EXPECT_ERROR(balance::partition({1, -2}, 1), "cost of layer 1", "got -2");
+  MPIPE_EXPECT_ERROR(balance::max_block_cost({1, 2, 3}, {1, 1}), "hold 2 layers, not the 3");
+  MPIPE_EXPECT_ERROR(balance::max_block_cost({1, 2, 3}, {2, 0, 1}), "block 1", "got 0");
+}
+
+TEST(Balance, FromSequentialSplitsTheLayersAsAsked) {
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 6),
+                              torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  model->to(torch::kDouble);
+  auto pipe = balance::from_sequential(model, {"cpu", "cpu", torch::kCPU}, {2, 2, 1});
+  ASSERT_EQ(pipe->size(), 3u);
+  EXPECT_EQ(pipe->stage(0)->as<torch::nn::Sequential>()->size(), 2u);
+  EXPECT_EQ(pipe->stage(2)->as<torch::nn::Sequential>()->size(), 1u);
+  // The same layers, so the same function and gradients.
+  auto x = torch::randn({7, 4}, torch::kDouble);
+  expect_transparent(
+      *pipe, x, [&](const torch::Tensor& in) { return pipe->forward(in, 3); },
+      [&](const torch::Tensor& in) { return model->forward(in); });
+
+  MPIPE_EXPECT_ERROR(balance::from_sequential(model, {"cpu", "cpu"}, {2, 2}),
+                     "add up to 4 layers, but the Sequential has 5");
+  MPIPE_EXPECT_ERROR(balance::from_sequential(model, {"cpu"}, {2, 3}), "2 stage size(s) for 1");
+  MPIPE_EXPECT_ERROR(balance::from_sequential(model, {"cpu", "cpu"}, {5, 0}), "stage 1",
+                     "at least one layer, got 0");
+}
