@@ -1,6 +1,15 @@
 #include "mpipe/balance.h"
 
+#include "mpipe/state.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
 
 #include <cmath>
 #include <limits>
@@ -101,6 +110,102 @@ ModelPipeline from_sequential(const torch::nn::Sequential& layers,
     pipe->append(stage, devices[s]);
   }
   return pipe;
+}
+
+namespace {
+
+/// Saves parameters' gradients and buffers of `m` and puts them back, and
+/// resets stateful modules, when it goes out of scope.
+class KeepAsItWas {
+ public:
+  explicit KeepAsItWas(torch::nn::Module& m) : module_(m) {
+    for (const auto& p : m.named_parameters()) {
+      grads_[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : at::Tensor();
+    }
+    for (const auto& b : m.named_buffers()) buffers_[b.key()] = b.value().clone();
+  }
+  ~KeepAsItWas() {
+    c10::NoGradGuard no_grad;
+    for (auto& p : module_.named_parameters()) p.value().mutable_grad() = grads_[p.key()];
+    for (auto& b : module_.named_buffers()) b.value().copy_(buffers_[b.key()]);
+    reset_states(module_);
+  }
+
+ private:
+  torch::nn::Module& module_;
+  std::map<std::string, at::Tensor> grads_, buffers_;
+};
+
+c10::Device device_of(const torch::nn::Sequential& layers) {
+  const auto params = layers->parameters();
+  return params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+}
+
+}  // namespace
+
+std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor& sample,
+                                 int64_t reps) {
+  TORCH_CHECK(reps > 0, "mpipe::balance::profile_time: reps must be positive, got ", reps);
+  TORCH_CHECK(sample.defined(), "mpipe::balance::profile_time: the sample is undefined");
+  const c10::Device device = device_of(layers);
+  KeepAsItWas keep(*layers);
+  c10::AutoGradMode grad_on(true);
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  std::vector<double> costs;
+  at::Tensor x = sample.to(device);
+  for (auto it = layers->begin(); it != layers->end(); ++it) {
+    std::vector<double> ms;
+    at::Tensor out;
+    for (int64_t r = 0; r <= reps; ++r) {  // the first run warms up
+      reset_states(*layers);
+      const at::Tensor in = x.detach().requires_grad_(at::isFloatingType(x.scalar_type()));
+      sync();
+      const auto t0 = std::chrono::steady_clock::now();
+      out = it->forward(in);
+      if (out.requires_grad()) out.backward(at::ones_like(out));
+      sync();
+      if (r > 0) {
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                         .count());
+      }
+    }
+    std::sort(ms.begin(), ms.end());
+    costs.push_back(ms[ms.size() / 2]);
+    x = out.detach();
+  }
+  return costs;
+}
+
+std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tensor& sample,
+                                   double optimizer_state_scale) {
+  TORCH_CHECK(optimizer_state_scale >= 0,
+              "mpipe::balance::profile_memory: optimizer_state_scale must be >= 0, got ",
+              optimizer_state_scale);
+  const c10::Device device = device_of(layers);
+  KeepAsItWas keep(*layers);
+  c10::NoGradGuard no_grad;
+  std::vector<double> costs;
+  at::Tensor x = sample.to(device);
+  for (auto it = layers->begin(); it != layers->end(); ++it) {
+    double bytes = 0;
+    for (const auto& p : it->ptr()->parameters()) {
+      bytes += static_cast<double>(p.numel() * p.element_size()) * (1 + optimizer_state_scale);
+    }
+    x = it->forward(x);
+    bytes += static_cast<double>(x.numel() * x.element_size());
+    costs.push_back(bytes);
+  }
+  return costs;
+}
+
+ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<DeviceArg>& devices,
+                       const std::vector<double>& costs, ModelPipelineOptions options) {
+  TORCH_CHECK(costs.size() == layers->size(), "mpipe::balance::balanced: ", costs.size(),
+              " cost(s) for ", layers->size(), " layer(s)");
+  return from_sequential(layers, devices,
+                         partition(costs, static_cast<int64_t>(devices.size())), options);
 }
 
 }  // namespace balance

@@ -4,6 +4,7 @@
 #include "common.h"
 
 #include <mpipe/balance.h>
+#include <mpipe/snn.h>
 
 #include <functional>
 #include <random>
@@ -89,4 +90,36 @@ TEST(Balance, FromSequentialSplitsTheLayersAsAsked) {
   MPIPE_EXPECT_ERROR(balance::from_sequential(model, {"cpu"}, {2, 3}), "2 stage size(s) for 1");
   MPIPE_EXPECT_ERROR(balance::from_sequential(model, {"cpu", "cpu"}, {5, 0}), "stage 1",
                      "at least one layer, got 0");
+}
+
+TEST(Balance, ProfilingLeavesTheModelAsItWas) {
+  torch::manual_seed(5);
+  torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::BatchNorm1d(64),
+                              torch::nn::Linear(64, 64), mpipe::snn::LIFNode(),
+                              torch::nn::Linear(64, 4));
+  auto sample = torch::randn({16, 8});
+  model->forward(sample).sum().backward();  // some gradients to keep
+  mpipe::reset_states(*model);
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& p : model->named_parameters()) before[p.key()] = p.value().detach().clone();
+  for (const auto& b : model->named_buffers()) before[b.key()] = b.value().clone();
+  const auto grads = grads_of(*model);
+
+  const auto time = mpipe::balance::profile_time(model, sample, 2);
+  ASSERT_EQ(time.size(), 5u);
+  for (double t : time) EXPECT_GT(t, 0.0);
+  const auto mem = mpipe::balance::profile_memory(model, sample, 2.0);
+  ASSERT_EQ(mem.size(), 5u);
+  // Linear(8, 64): (8*64 + 64) floats x (1 + 2) + the [16, 64] output.
+  EXPECT_DOUBLE_EQ(mem[0], (8 * 64 + 64) * 4.0 * 3 + 16 * 64 * 4.0);
+  EXPECT_DOUBLE_EQ(mem[3], 16 * 64 * 4.0);  // the neuron: no parameters
+
+  for (const auto& p : model->named_parameters()) expect_close(p.value(), before[p.key()], 0.0, p.key());
+  for (const auto& b : model->named_buffers()) expect_close(b.value(), before[b.key()], 0.0, b.key());
+  expect_same_grads(grads, grads_of(*model), 0.0);
+  EXPECT_TRUE(model[3]->as<mpipe::snn::LIFNodeImpl>()->membrane_potentials().empty());
+
+  auto pipe = mpipe::balance::balanced(model, {"cpu", "cpu"}, mem);
+  EXPECT_EQ(pipe->size(), 2u);
+  MPIPE_EXPECT_ERROR(mpipe::balance::balanced(model, {"cpu"}, {1.0}), "1 cost(s) for 5 layer(s)");
 }

@@ -31,5 +31,24 @@ ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                               const std::vector<int64_t>& sizes,
                               ModelPipelineOptions options = {});
 
+/// Forward + backward time of each layer of `layers` in ms (median of `reps`
+/// after one warm-up), on a sample batch, where the layers are (the sample is
+/// moved to the first parameter's device; CPU without parameters). Each layer
+/// runs on the previous layer's output. Stateful layers are profiled from
+/// their reset state; parameters' gradients, buffers (e.g. BatchNorm's running
+/// statistics) and neuron state are as they were afterwards.
+std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor& sample,
+                                 int64_t reps = 3);
+
+/// An estimate of each layer's memory in bytes: its parameters times
+/// (1 + optimizer_state_scale) (Adam keeps 2 more tensors per parameter:
+/// scale 2), plus the activation it passes on for `sample` (its output).
+std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tensor& sample,
+                                   double optimizer_state_scale = 0);
+
+/// from_sequential with the split that minimises the largest stage's cost.
+ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<DeviceArg>& devices,
+                       const std::vector<double>& costs, ModelPipelineOptions options = {});
+
 }  // namespace balance
 }  // namespace mpipe
