@@ -105,7 +105,7 @@ at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
   check_runnable("forward", x);
   TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::forward: split_size must be positive, got ",
               split_size);
-  return run_call("forward/" + std::to_string(split_size), x,
+  return run_call("forward", split_size, 0, x,
                   [&](const at::Tensor& in, bool threaded) {
                     const std::vector<at::Tensor> chunks = in.split(split_size, 0);
                     detail::Job job;
@@ -123,7 +123,7 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
   check_runnable("constant_forward", x);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
               "must be positive, got ", T);
-  return run_call("constant_forward/" + std::to_string(T) + "/" + std::to_string(reduce), x,
+  return run_call("constant_forward", T, reduce, x,
                   [&](const at::Tensor& in, bool threaded) {
                     detail::Job job;
                     job.method = "constant_forward";
@@ -139,7 +139,7 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
 
 at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce) {
   check_runnable("sequence_forward", x_seq, /*time_major=*/true);
-  return run_call("sequence_forward/" + std::to_string(reduce), x_seq,
+  return run_call("sequence_forward", reduce, 0, x_seq,
                   [&](const at::Tensor& in, bool threaded) {
                     detail::Job job;
                     job.method = "sequence_forward";
@@ -168,12 +168,12 @@ bool ModelPipelineImpl::graphable(const at::Tensor& x) const {
 }
 
 at::Tensor ModelPipelineImpl::run_call(
-    std::string key, const at::Tensor& x,
+    const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   if (graphable(x)) {
-    key += "|" + c10::str(x.sizes()) + "|" + c10::toString(x.scalar_type()) +
-           (is_training() ? "|train" : "|eval");
+    const std::string key = c10::str(method, "|", arg0, "|", arg1, "|", x.sizes(), "|",
+                                     x.scalar_type(), is_training() ? "|train" : "|eval");
     at::Tensor out = detail::run_graphed(
         *graphs_, key, x, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
         [this] { reset_states(*this); });

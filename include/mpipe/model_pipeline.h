@@ -145,8 +145,9 @@ class ModelPipelineImpl : public torch::nn::Module {
   void check_placement_kept(c10::Device device, const char* what) const;
   bool graphable(const at::Tensor& x) const;
   /// Runs a call: replayed from a CUDA graph when options.cuda_graphs() allows
-  /// it, else `eager(x, worker_threads)`.
-  at::Tensor run_call(std::string key, const at::Tensor& x,
+  /// it (keyed by method, its two integer arguments and x's shape), else
+  /// `eager(x, worker_threads)`.
+  at::Tensor run_call(const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
                       const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
 
   torch::nn::ModuleList stages_;
