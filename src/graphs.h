@@ -1,14 +1,15 @@
 #pragma once
 
-// Private: CUDA-graph capture and replay of whole no-grad pipeline calls
-// (Note [CUDA graphs]). Compiled only against a CUDA build of LibTorch; with
-// a CPU-only LibTorch, make_graph_cache() returns null and nothing is graphed.
+// Private: CUDA-graph capture and replay of whole pipeline calls (Note [CUDA
+// graphs]). Compiled only against a CUDA build of LibTorch; with a CPU-only
+// LibTorch, make_graph_cache() returns null and nothing is graphed.
 
 #include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace mpipe {
 namespace detail {
@@ -18,6 +19,9 @@ class GraphCache;
 /// A cache of captured calls, or null when this build has no CUDA.
 std::shared_ptr<GraphCache> make_graph_cache();
 
+/// How many graphs `cache` holds.
+size_t graphs_held(const GraphCache& cache);
+
 /// Replays the graph captured for `key`, capturing it first (after one eager
 /// warm-up run) if there is none: copies `x` into the graph's static input,
 /// replays on the caller's current stream and returns a copy of the static
@@ -26,6 +30,20 @@ std::shared_ptr<GraphCache> make_graph_cache();
 at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tensor& x,
                        const std::function<at::Tensor(const at::Tensor&)>& eager,
                        const std::function<void()>& reset);
+
+/// A training step (forward and backward) as a graph. Returns an undefined
+/// tensor when the caller must run the step eagerly itself: the first time a
+/// key is seen (that eager step is the warm-up), when the cache is full, or
+/// when capturing this key failed before. Otherwise captures `step` on the
+/// second sight of a key, then replays: `inputs` are copied into static
+/// copies, every parameter in `params` that requires grad accumulates into a
+/// static .grad (Note [Graphed training steps]), and a copy of the step's
+/// returned loss comes back. `reset` is called before the capture.
+at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
+                            const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& params,
+                            const std::function<at::Tensor(const std::vector<at::Tensor>&)>& step,
+                            const std::function<void()>& reset);
 
 }  // namespace detail
 }  // namespace mpipe

@@ -1,11 +1,14 @@
 #include "graphs.h"
 
+#include <ATen/Functions.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 
 #include <map>
+#include <set>
 
 namespace mpipe {
 namespace detail {
@@ -25,6 +28,30 @@ namespace detail {
 // reset after it: state does not carry from one graphed call to the next.
 // Calls with gradients, several devices, or held state run eagerly, as does
 // any call once 16 shapes have been captured.
+//
+// Like torch.cuda.graphs, a replay repeats the captured device work only:
+// host-side decisions taken during the capture (a module's branches on its
+// own counters, say) are fixed in the graph. A capture that fails (a module
+// that synchronises, such as .item()) is abandoned: the error reaches the
+// caller, and later calls of that key run eagerly.
+//
+// Note [Graphed training steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// train_step and constant_train_step capture forward *and* backward: the
+// autograd engine issues each backward op on its forward op's stream, so the
+// captured stage streams carry the backward too. Parameter gradients need a
+// fixed address: at capture every parameter that requires grad gets a static
+// .grad (its current one, or zeros), and the graph accumulates into it in
+// place, as autograd does into a defined .grad. Before each replay a
+// parameter's .grad is checked: the static tensor itself -> accumulate; none
+// (zero_grad() set it to None) -> the static one is zeroed and put back, which
+// equals eager's "first gradient becomes .grad"; another tensor -> its values
+// are copied into the static one, which becomes .grad again. A parameter whose
+// storage was replaced since the capture (data_ptr changed) drops the graph
+// and the step is captured again. The first sight of a key runs eagerly (the
+// warm-up: cuBLAS handles, workspaces, allocator), the second captures and
+// replays. The step's activations live in the graph's private memory pool
+// between replays: a graphed step keeps its peak memory reserved.
 
 constexpr size_t kMaxGraphs = 16;
 
@@ -34,10 +61,56 @@ class GraphCache {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor input, output;
   };
+  struct StepEntry {
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+    std::vector<at::Tensor> inputs;
+    at::Tensor loss;
+    std::vector<at::Tensor> params, grads;
+    std::vector<const void*> param_ptrs;
+  };
   std::map<std::string, Entry> entries;
+  std::map<std::string, StepEntry> steps;
+  std::set<std::string> warmed, failed;
+  size_t size() const { return entries.size() + steps.size(); }
 };
 
 std::shared_ptr<GraphCache> make_graph_cache() { return std::make_shared<GraphCache>(); }
+
+size_t graphs_held(const GraphCache& cache) { return cache.size(); }
+
+namespace {
+
+/// Captures `body` into `graph` on a side stream forked from (and joined back
+/// into) the caller's stream. A failed capture is ended before the error
+/// propagates, so the stream and the allocator leave capture mode.
+void capture(at::cuda::CUDAGraph& graph, const std::function<void()>& before,
+             const std::function<void()>& body) {
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  at::cuda::CUDAEvent ready;
+  ready.record(caller);
+  ready.block(side);
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(side);
+    before();
+    graph.capture_begin();
+    try {
+      body();
+    } catch (...) {
+      try {
+        graph.capture_end();
+      } catch (...) {  // an invalidated capture: the first error is the one to report
+      }
+      throw;
+    }
+    graph.capture_end();
+  }
+  at::cuda::CUDAEvent captured;
+  captured.record(side);
+  captured.block(caller);
+}
+
+}  // namespace
 
 at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tensor& x,
                        const std::function<at::Tensor(const at::Tensor&)>& eager,
@@ -45,32 +118,92 @@ at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tens
   c10::cuda::CUDAGuard device_guard(x.device());
   auto it = cache.entries.find(key);
   if (it == cache.entries.end()) {
-    if (cache.entries.size() >= kMaxGraphs) return at::Tensor();
-    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    if (cache.size() >= kMaxGraphs || cache.failed.count(key)) return at::Tensor();
     GraphCache::Entry entry;
     entry.input = x.clone();
-    at::cuda::CUDAEvent ready;
-    ready.record(caller);
-    ready.block(side);
-    {
-      c10::cuda::CUDAStreamGuard stream_guard(side);
-      eager(entry.input);  // warm-up: library handles, workspaces, the allocator
-      reset();
-      entry.graph = std::make_unique<at::cuda::CUDAGraph>();
-      entry.graph->capture_begin();
-      entry.output = eager(entry.input);
-      entry.graph->capture_end();
+    entry.graph = std::make_unique<at::cuda::CUDAGraph>();
+    try {
+      capture(
+          *entry.graph,
+          [&] {
+            eager(entry.input);  // warm-up: library handles, workspaces, the allocator
+            reset();
+          },
+          [&] { entry.output = eager(entry.input); });
+    } catch (...) {
+      cache.failed.insert(key);
+      throw;
     }
-    at::cuda::CUDAEvent captured;
-    captured.record(side);
-    captured.block(caller);
     it = cache.entries.emplace(key, std::move(entry)).first;
   }
   GraphCache::Entry& entry = it->second;
   entry.input.copy_(x);
   entry.graph->replay();
   return entry.output.clone();
+}
+
+at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
+                            const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& params,
+                            const std::function<at::Tensor(const std::vector<at::Tensor>&)>& step,
+                            const std::function<void()>& reset) {
+  TORCH_INTERNAL_ASSERT(!inputs.empty() && inputs[0].is_cuda());
+  c10::cuda::CUDAGuard device_guard(inputs[0].device());
+  auto it = cache.steps.find(key);
+  if (it != cache.steps.end()) {
+    const auto& ptrs = it->second.param_ptrs;
+    bool moved = ptrs.size() != params.size();
+    for (size_t k = 0; !moved && k < params.size(); ++k) moved = params[k].data_ptr() != ptrs[k];
+    if (moved) {  // a parameter got new storage: capture again
+      cache.steps.erase(it);
+      it = cache.steps.end();
+    }
+  }
+  if (it == cache.steps.end()) {
+    if (cache.failed.count(key) || cache.size() >= kMaxGraphs) return at::Tensor();
+    if (cache.warmed.insert(key).second) return at::Tensor();  // first sight: eager warm-up
+    GraphCache::StepEntry entry;
+    for (const auto& t : inputs) entry.inputs.push_back(t.defined() ? t.clone() : t);
+    for (const auto& p : params) {
+      entry.param_ptrs.push_back(p.data_ptr());
+      if (!p.requires_grad()) continue;
+      at::Tensor g = p.grad();
+      if (!g.defined()) {
+        g = at::zeros_like(p);
+        p.mutable_grad() = g;
+      }
+      entry.params.push_back(p);
+      entry.grads.push_back(g);
+    }
+    // Capturing records the step's work without running it; the replay below
+    // runs it.
+    entry.graph = std::make_unique<at::cuda::CUDAGraph>();
+    try {
+      capture(*entry.graph, reset, [&] { entry.loss = step(entry.inputs); });
+    } catch (...) {
+      cache.failed.insert(key);
+      throw;
+    }
+    it = cache.steps.emplace(key, std::move(entry)).first;
+  }
+  GraphCache::StepEntry& entry = it->second;
+  std::vector<at::Tensor> to_zero;
+  for (size_t k = 0; k < entry.params.size(); ++k) {
+    const at::Tensor current = entry.params[k].grad();
+    if (current.is_same(entry.grads[k])) continue;
+    if (current.defined()) {
+      entry.grads[k].copy_(current);
+    } else {
+      to_zero.push_back(entry.grads[k]);
+    }
+    entry.params[k].mutable_grad() = entry.grads[k];
+  }
+  if (!to_zero.empty()) at::_foreach_zero_(to_zero);
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (inputs[k].defined()) entry.inputs[k].copy_(inputs[k]);
+  }
+  entry.graph->replay();
+  return entry.loss.clone();
 }
 
 }  // namespace detail

@@ -189,6 +189,32 @@ void ModelPipelineImpl::clear_cuda_graphs() {
   if (graphs_) graphs_ = detail::make_graph_cache();
 }
 
+size_t ModelPipelineImpl::cuda_graphs_captured() const {
+  return graphs_ ? detail::graphs_held(*graphs_) : 0;
+}
+
+bool ModelPipelineImpl::step_graphable(const at::Tensor& x, const at::Tensor& target) const {
+  if (x.requires_grad() || (is_training() && options.checkpoint() != Checkpoint::Never)) {
+    return false;  // input gradients leave the graph; recompute restores RNG state
+  }
+  if (target.defined() && target.device() != x.device()) return false;
+  c10::NoGradGuard no_grad;  // graphable()'s rules, apart from grad mode
+  return graphable(x);
+}
+
+at::Tensor ModelPipelineImpl::run_step(
+    const std::string& key, const at::Tensor& x, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
+  if (step_graphable(x, target)) {
+    at::Tensor loss = detail::run_graphed_step(
+        *graphs_, key, {x, target}, parameters(),
+        [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+        [this] { reset_states(*this); });
+    if (loss.defined()) return loss;
+  }
+  return eager(x, target, options.worker_threads());
+}
+
 at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tensor& target,
                                          const LossFunction& loss_fn,
                                          const TrainStepOptions& step) {
@@ -205,34 +231,88 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
               "mpipe::ModelPipeline::train_step: gradients are off (NoGradGuard or "
               "InferenceMode is active); a training step needs them");
   const int64_t batch = input.size(0), rows = step.split_size();
-  const at::Tensor x = input.detach(), y = target.detach();
-  detail::TrainJob job;
-  job.n_items = (batch + rows - 1) / rows;
-  job.input = [&](int64_t i) { return x.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
-  job.target = [&](int64_t i) { return y.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
   const bool mean = step.reduction() == LossReduction::Mean;
-  job.loss = [&](int64_t i, const at::Tensor& out, const at::Tensor& tgt) {
-    at::Tensor loss = loss_fn(out, tgt);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "the loss function must return one value, got ",
-                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-    loss = loss.reshape({});
-    if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
-    return loss;
-  };
-  job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
-  job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
-  job.input_requires_grad = input.requires_grad();
   std::vector<std::vector<at::Tensor>> params;
   for (size_t j = 0; j < size(); ++j) params.push_back(stages_->ptr(j)->parameters());
-  {
-    std::lock_guard<std::mutex> lock(call_mutex_);
-    runtime_->train(job, forwards_, options.worker_threads(), x, y, params);
+  auto eager = [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+    detail::TrainJob job;
+    job.n_items = (batch + rows - 1) / rows;
+    job.input = [&](int64_t i) { return x.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
+    job.target = [&](int64_t i) { return y.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
+    job.loss = [&](int64_t i, const at::Tensor& out, const at::Tensor& tgt) {
+      at::Tensor loss = loss_fn(out, tgt);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "the loss function must return one value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+      return loss;
+    };
+    job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
+    job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
+    job.input_requires_grad = input.requires_grad();
+    runtime_->train(job, forwards_, threaded, x, y, params);
+    if (job.input_requires_grad) {
+      torch::autograd::backward({input}, {at::cat(job.input_grads, 0).to(input.device())});
+    }
+    return job.loss_sum;
+  };
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::string key;
+  if (options.cuda_graphs()) {
+    key = c10::str("train_step|", rows, "|", static_cast<int>(step.schedule()), "|",
+                   static_cast<int>(step.reduction()), "|", input.sizes(), "|",
+                   input.scalar_type(), "|", target.sizes(), "|", target.scalar_type(),
+                   is_training() ? "|train" : "|eval");
   }
-  if (job.input_requires_grad) {
-    torch::autograd::backward({input}, {at::cat(job.input_grads, 0).to(input.device())});
+  return run_step(key, input.detach(), target.detach(), eager);
+}
+
+at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T,
+                                                  const at::Tensor& target,
+                                                  const LossFunction& loss_fn) {
+  check_runnable("constant_train_step", x);
+  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
+              "must be positive, got ", T);
+  TORCH_CHECK(static_cast<bool>(loss_fn),
+              "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
+              "mpipe::ModelPipeline::constant_train_step: gradients are off (NoGradGuard or "
+              "InferenceMode is active); a training step needs them");
+  auto eager = [&](const at::Tensor& in, const at::Tensor& tgt, bool threaded) {
+    detail::Job job;
+    job.method = "constant_train_step";
+    job.item_name = "time step";
+    job.n_items = T;
+    job.same_input = true;
+    job.reduce_sum = true;
+    job.source = [&in](int64_t) { return in; };
+    runtime_->execute(job, forwards_, threaded, in);
+    at::Tensor loss = loss_fn(gather_items(job, size()), tgt);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
+                "value, got ",
+                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+    loss = loss.reshape({});
+    torch::autograd::backward({loss});
+    runtime_->join();  // the backward ran on the stage streams too
+    return loss.detach();
+  };
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  reset_states(*this);
+  struct ResetAfter {  // state does not outlive the step, whatever happens
+    torch::nn::Module& m;
+    ~ResetAfter() { reset_states(m); }
+  } reset_after{*this};
+  std::string key;
+  if (options.cuda_graphs()) {
+    key = c10::str("constant_train_step|", T, "|", x.sizes(), "|", x.scalar_type(), "|",
+                   target.defined() ? c10::str(target.sizes(), target.scalar_type()) : "-",
+                   is_training() ? "|train" : "|eval");
   }
-  return job.loss_sum;
+  // x keeps its autograd identity (its gradient is accumulated if it requires
+  // one); such a step is never graphed.
+  return run_step(key, x, target, eager);
 }
 
 std::shared_ptr<torch::nn::Module> ModelPipelineImpl::stage(size_t index) const {

@@ -198,6 +198,11 @@ class Runtime {
              const at::Tensor& input, const at::Tensor& target,
              const std::vector<std::vector<at::Tensor>>& params);
 
+  /// The caller's current stream on every stage device waits for every stage
+  /// stream there, so the caller sees all of the call's work (also that of a
+  /// backward pass the caller ran through the stages).
+  void join() const;
+
  private:
   struct Call;
   struct TrainCall;
@@ -205,9 +210,6 @@ class Runtime {
   /// Every stage stream waits for the caller's current stream on its device,
   /// so a call sees all the caller's earlier work (e.g. an optimizer step).
   void fork() const;
-  /// The caller's current stream on every stage device waits for every stage
-  /// stream there, so the caller sees all of the call's work.
-  void join() const;
   void train_forward(TrainCall& call, int64_t stage, int64_t item);
   void train_backward(TrainCall& call, int64_t stage, int64_t item);
   void run_program(TrainCall& call, int64_t stage);

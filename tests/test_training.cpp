@@ -331,3 +331,88 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
     }
   }
 }
+
+TEST(ConstantTrainStep, LossAndGradientsEqualThePlainLoop) {
+  torch::manual_seed(23);
+  std::vector<Leaky> stages{Leaky(6, 0.7), Leaky(6, 0.4), Leaky(6, 0.9)};
+  for (bool threads : {true, false}) {
+    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+    for (auto& s : stages) pipe->append(s, "cpu");
+    const auto x = torch::randn({5, 6});
+    const auto target = torch::randn({5, 6});
+    auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) {
+      return (out / 4 - t).pow(2).mean();  // out is the sum over the T = 4 steps
+    };
+    mpipe::reset_states(*pipe);
+    auto x1 = x.clone().requires_grad_();
+    auto loss = pipe->constant_train_step(x1, 4, target, loss_fn);
+    EXPECT_FALSE(loss.requires_grad());
+    EXPECT_EQ(loss.dim(), 0);
+    for (auto& s : stages) EXPECT_TRUE(s->state.slots().empty()) << "state is reset after the step";
+    auto pipe_grads = grads_of(*pipe);
+    zero_grads(*pipe);
+
+    // The plain loop, from reset state.
+    mpipe::reset_states(*pipe);
+    auto x2 = x.clone().requires_grad_();
+    torch::Tensor out;
+    for (int t = 0; t < 4; ++t) {
+      torch::Tensor y = x2;
+      for (auto& s : stages) y = s(y);
+      out = out.defined() ? out + y : y;
+    }
+    auto loss2 = loss_fn(out, target);
+    loss2.backward();
+    expect_close(loss, loss2, 1e-12, "loss");
+    expect_close(x1.grad(), x2.grad(), 1e-12, "grad of x");
+    expect_same_grads(pipe_grads, grads_of(*pipe), 1e-12);
+    zero_grads(*pipe);
+    mpipe::reset_states(*pipe);
+  }
+}
+
+TEST(ConstantTrainStep, StartsFromRestAndAccumulates) {
+  torch::manual_seed(24);
+  Leaky a(3, 0.5), b(3, 0.5);
+  auto pipe = ModelPipeline();
+  pipe->append(a, "cpu").append(b, "cpu");
+  auto x = torch::randn({2, 3});
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+  pipe->constant_forward(x, 3);  // leaves state behind...
+  EXPECT_FALSE(a->state.slots().empty());
+  auto first = pipe->constant_train_step(x, 3, torch::Tensor(), loss_fn);  // ...which is reset
+  auto g1 = grads_of(*pipe);
+  auto second = pipe->constant_train_step(x, 3, torch::Tensor(), loss_fn);
+  expect_close(first, second, 0.0, "the same step twice");
+  for (const auto& kv : grads_of(*pipe)) {
+    expect_close(kv.second, g1.at(kv.first) * 2, 1e-12, "accumulated grad of " + kv.first);
+  }
+}
+
+TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
+  auto pipe = ModelPipeline();
+  auto mean = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+  auto x = torch::randn({2, 3});
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 2, torch::Tensor(), mean), "no stages");
+  Leaky a(3, 0.5);
+  pipe->append(a, "cpu").append(Failing(3), "cpu");
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 0, torch::Tensor(), mean),
+                     "constant_train_step", "T (the number of time steps) must be positive, got 0");
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 2, torch::Tensor(), mpipe::LossFunction()),
+                     "loss_fn is empty");
+  {
+    torch::NoGradGuard no_grad;
+    MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 2, torch::Tensor(), mean),
+                       "gradients are off");
+  }
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(
+                         x, 2, torch::Tensor(),
+                         [](const torch::Tensor& out, const torch::Tensor&) { return out; }),
+                     "constant_train_step", "must return one value", "[2, 3]");
+  // Stage 1 fails at its 4th call (the step above made 2): time step 1 of 3.
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 3, torch::Tensor(), mean),
+                     "constant_train_step", "stage 1", "time step 1 of 3", "planted failure");
+  EXPECT_TRUE(a->state.slots().empty()) << "state is reset after a failed step";
+  auto loss = pipe->constant_train_step(x, 3, torch::Tensor(), mean);
+  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+}

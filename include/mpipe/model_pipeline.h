@@ -102,8 +102,21 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// (LossReduction::Sum). If `input` requires grad, its gradient is
   /// accumulated too. Returns that loss, detached, on the output device.
   /// Optimizer steps stay with the caller. See Note [Training runtime].
+  /// With options.cuda_graphs the whole step can be replayed from a CUDA graph
+  /// (Note [Graphed training steps]).
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step);
+
+  /// One training step of a model run for T time steps (an SNN): resets the
+  /// stateful modules, computes out = constant_forward(x, T, true) (the sum of
+  /// the T outputs), loss = loss_fn(out, target), accumulates the loss's
+  /// gradients into every parameter's .grad (and x's, if it requires grad),
+  /// resets the stateful modules again and returns the loss, detached.
+  /// `target` may be undefined if loss_fn ignores it. With options.cuda_graphs
+  /// the forward and backward are replayed from one CUDA graph (Note [Graphed
+  /// training steps]).
+  at::Tensor constant_train_step(const at::Tensor& x, int64_t T, const at::Tensor& target,
+                                 const LossFunction& loss_fn);
 
   /// Number of stages.
   size_t size() const noexcept { return devices_.size(); }
@@ -134,6 +147,8 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// a stage's parameter or buffer tensors by hand (in-place updates, such as
   /// an optimizer's, need nothing).
   void clear_cuda_graphs();
+  /// How many calls are held as CUDA graphs now (0 without CUDA).
+  size_t cuda_graphs_captured() const;
   void pretty_print(std::ostream& stream) const override;
 
   ModelPipelineOptions options;
@@ -144,6 +159,14 @@ class ModelPipelineImpl : public torch::nn::Module {
   void check_runnable(const char* method, const at::Tensor& x, bool time_major = false) const;
   void check_placement_kept(c10::Device device, const char* what) const;
   bool graphable(const at::Tensor& x) const;
+  /// Whether a training step on (x, target) may be graphed (Note [Graphed
+  /// training steps]): graphable's rules, plus the target on x's device, an
+  /// input that needs no gradient and no checkpointing.
+  bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
+  /// Runs a training step: replayed from a CUDA graph when step_graphable, else
+  /// `eager(x, target, worker_threads)`. Holds call_mutex_.
+  at::Tensor run_step(const std::string& key, const at::Tensor& x, const at::Tensor& target,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager);
   /// Runs a call: replayed from a CUDA graph when options.cuda_graphs() allows
   /// it (keyed by method, its two integer arguments and x's shape), else
   /// `eager(x, worker_threads)`.
