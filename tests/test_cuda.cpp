@@ -250,6 +250,168 @@ TEST(Cuda, GraphedSpikingCallsMatchEagerCalls_CUDA) {
   }
 }
 
+namespace {
+
+/// A deep copy of a Sequential, for a second pipeline with equal parameters.
+torch::nn::Sequential copy_of(const torch::nn::Sequential& s) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s->clone()));
+}
+
+/// Clears or zeroes gradients the ways users do, by step number: set to None,
+/// zeroed in place, or kept (accumulate).
+void prepare_grads(torch::nn::Module& m, int step) {
+  for (auto& p : m.parameters()) {
+    if (!p.grad().defined()) continue;
+    if (step % 3 == 0) p.mutable_grad() = torch::Tensor();
+    if (step % 3 == 1) p.mutable_grad().zero_();
+  }
+}
+
+}  // namespace
+
+TEST(Cuda, GraphedTrainStepMatchesEagerSteps_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+    torch::manual_seed(19);
+    auto eager = ModelPipeline();
+    auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+    for (int i = 0; i < 3; ++i) {
+      auto s = mlp_stage(16, 16);
+      eager->append(s, g);
+      graphed->append(copy_of(s), g);
+    }
+    torch::optim::SGD opt_eager(eager->parameters(), 0.1), opt_graphed(graphed->parameters(), 0.1);
+    auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& t) {
+      return (y - t).pow(2).mean();
+    };
+    const auto options = mpipe::TrainStepOptions(4).schedule(schedule);
+    for (int step = 0; step < 7; ++step) {
+      const int64_t batch = step == 5 ? 9 : 12;  // a second shape: a second graph
+      auto x = torch::randn({batch, 16}, g), t = torch::randn({batch, 16}, g);
+      prepare_grads(*eager, step);
+      prepare_grads(*graphed, step);
+      auto want = eager->train_step(x, t, loss_fn, options);
+      auto got = graphed->train_step(x, t, loss_fn, options);
+      const std::string what = "step " + std::to_string(step);
+      expect_close(got, want, 1e-5, what + ": loss");
+      expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+      opt_eager.step();  // in-place updates reach the replays
+      opt_graphed.step();
+    }
+    // Step 0 warmed up, step 1 captured; the batch of 9 ran eagerly once.
+    EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+    // A .grad the user replaced by another tensor is honoured, too.
+    auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::full_like(p, 0.25);
+    }
+    expect_close(graphed->train_step(x, t, loss_fn, options),
+                 eager->train_step(x, t, loss_fn, options), 1e-5, "replaced grads: loss");
+    expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+  }
+}
+
+TEST(Cuda, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(20);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  for (int i = 0; i < 4; ++i) {
+    torch::nn::Linear fc(32, 32);
+    {
+      torch::NoGradGuard no_grad;  // strong enough that every layer fires
+      fc->weight.mul_(3);
+      fc->bias.fill_(1.2);
+    }
+    torch::nn::Sequential s(fc, mpipe::snn::LIFNode());
+    eager->append(s, g);
+    graphed->append(copy_of(s), g);
+  }
+  torch::optim::SGD opt_eager(eager->parameters(), 0.05);
+  torch::optim::SGD opt_graphed(graphed->parameters(), 0.05);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& labels) {
+    return torch::cross_entropy_loss(out / 6, labels);
+  };
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::rand({8, 32}, g) * 2;
+    auto labels = torch::randint(0, 32, {8}, torch::TensorOptions(g).dtype(torch::kLong));
+    prepare_grads(*eager, step);
+    prepare_grads(*graphed, step);
+    {
+      torch::NoGradGuard no_grad;
+      mpipe::reset_states(*eager);
+      const double rate = eager->constant_forward(x, 6).mean().item<double>() / 6;
+      EXPECT_TRUE(rate > 0.05 && rate < 0.95) << "spike rate " << rate;
+    }
+    auto want = eager->constant_train_step(x, 6, labels, loss_fn);
+    auto got = graphed->constant_train_step(x, 6, labels, loss_fn);
+    expect_close(got, want, 1e-5, "step " + std::to_string(step) + ": loss");
+    expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+    double grad_norm = 0;
+    for (auto& p : graphed->parameters()) grad_norm += p.grad().norm().item<double>();
+    EXPECT_GT(grad_norm, 0) << "surrogate gradients flow";
+    opt_eager.step();
+    opt_graphed.step();
+  }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+}
+
+TEST(Cuda, FusedNeuronKernelMatchesTheATenPath_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  using mpipe::snn::IFNodeOptions;
+  using mpipe::snn::LIFNodeOptions;
+  using mpipe::snn::Surrogate;
+  const torch::Device g("cuda:0");
+  torch::manual_seed(21);
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (int variant = 0; variant < 5; ++variant) {
+      SCOPED_TRACE("dtype " + std::string(c10::toString(dtype)) + ", variant " +
+                   std::to_string(variant));
+      auto make = [&](bool fused) -> torch::nn::AnyModule {
+        switch (variant) {
+          case 0: return torch::nn::AnyModule(mpipe::snn::LIFNode(LIFNodeOptions().fused(fused)));
+          case 1:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().v_reset(std::nullopt).surrogate(Surrogate::atan()).fused(fused)));
+          case 2:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().decay_input(false).detach_reset(true).v_reset(-0.25).fused(
+                    fused)));
+          case 3:
+            return torch::nn::AnyModule(
+                mpipe::snn::IFNode(IFNodeOptions().v_threshold(0.75).fused(fused)));
+          default:
+            return torch::nn::AnyModule(mpipe::snn::IFNode(
+                IFNodeOptions().v_reset(std::nullopt).detach_reset(true).surrogate(
+                    Surrogate::atan(3.0)).fused(fused)));
+        }
+      };
+      const int64_t T = 8;
+      auto w = torch::randn({T, 64, 33}, torch::TensorOptions(g).dtype(dtype));
+      auto run = [&](bool fused, torch::Tensor& grad) {
+        auto node = make(fused);
+        auto wg = w.clone().requires_grad_();
+        std::vector<torch::Tensor> out;
+        for (int64_t t = 0; t < T; ++t) out.push_back(node.forward(wg[t] * 1.3));
+        auto spikes = torch::stack(out);
+        auto weights = torch::arange(1, T + 1, torch::TensorOptions(g).dtype(dtype)).view({T, 1, 1});
+        (spikes * weights).sum().backward();
+        grad = wg.grad();
+        return spikes;
+      };
+      torch::Tensor g_fused, g_aten;
+      auto s_fused = run(true, g_fused);
+      auto s_aten = run(false, g_aten);
+      EXPECT_GT(s_aten.sum().item<double>(), 0.0) << "the test should make some spikes";
+      expect_close(s_fused, s_aten, 0.0, "spikes");
+      expect_close(g_fused, g_aten, dtype == torch::kDouble ? 1e-10 : 1e-4, "gradients");
+    }
+  }
+}
+
 TEST(Cuda, NeuronStateFollowsTheInputAcrossDevices_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   mpipe::snn::LIFNode node;

@@ -78,56 +78,84 @@ TEST(Neurons, DynamicsAndGradientsMatchTheEquations) {
   torch::manual_seed(0);
   const int64_t T = 12;
   for (bool lif : {false, true}) {
-    for (std::optional<double> v_reset : {std::optional<double>(0.0), std::optional<double>(-0.2),
-                                          std::optional<double>()}) {
+    for (std::optional<double> v_reset :
+         {std::optional<double>(0.0), std::optional<double>(-0.2), std::optional<double>()}) {
       for (bool decay_input : {true, false}) {
         for (bool detach_reset : {false, true}) {
-          if (!lif && !decay_input) continue;  // IF has no decay
-          Reference ref{lif, 2.5, 0.8, v_reset, decay_input, detach_reset, Surrogate::atan()};
-          SCOPED_TRACE(std::string(lif ? "LIF" : "IF") + " v_reset=" +
-                       (v_reset ? std::to_string(*v_reset) : "soft") +
-                       " decay_input=" + std::to_string(decay_input) +
-                       " detach_reset=" + std::to_string(detach_reset));
-          torch::nn::AnyModule node;
-          if (lif) {
-            node = torch::nn::AnyModule(LIFNode(LIFNodeOptions()
-                                                    .tau(2.5)
-                                                    .v_threshold(0.8)
-                                                    .v_reset(v_reset)
-                                                    .decay_input(decay_input)
-                                                    .detach_reset(detach_reset)
-                                                    .surrogate(Surrogate::atan())));
-          } else {
-            node = torch::nn::AnyModule(IFNode(IFNodeOptions()
-                                                   .v_threshold(0.8)
-                                                   .v_reset(v_reset)
-                                                   .detach_reset(detach_reset)
-                                                   .surrogate(Surrogate::atan())));
-          }
-          auto w = torch::randn({T, 3, 4}, torch::kDouble);
-          auto run = [&](bool mine, torch::Tensor& grad) {
-            auto wg = w.clone().requires_grad_();
-            std::vector<torch::Tensor> xs;
-            for (int64_t t = 0; t < T; ++t) xs.push_back(wg[t] * 1.3);
-            std::vector<torch::Tensor> out;
-            if (mine) {
-              for (auto& x : xs) out.push_back(node.forward(x));
-            } else {
-              out = ref.run(xs);
+          for (bool fused : {true, false}) {  // one kernel, or ATen ops (Note [Fused neurons])
+            for (const Surrogate& surrogate : {Surrogate::atan(), Surrogate::sigmoid(3.0)}) {
+              if (!lif && !decay_input) continue;  // IF has no decay
+              Reference ref{lif, 2.5, 0.8, v_reset, decay_input, detach_reset, surrogate};
+              SCOPED_TRACE(std::string(lif ? "LIF" : "IF") +
+                           " v_reset=" + (v_reset ? std::to_string(*v_reset) : "soft") +
+                           " decay_input=" + std::to_string(decay_input) +
+                           " detach_reset=" + std::to_string(detach_reset) +
+                           " fused=" + std::to_string(fused) + " surrogate=" + surrogate.name());
+              torch::nn::AnyModule node;
+              if (lif) {
+                node = torch::nn::AnyModule(LIFNode(LIFNodeOptions()
+                                                        .tau(2.5)
+                                                        .v_threshold(0.8)
+                                                        .v_reset(v_reset)
+                                                        .decay_input(decay_input)
+                                                        .detach_reset(detach_reset)
+                                                        .surrogate(surrogate)
+                                                        .fused(fused)));
+              } else {
+                node = torch::nn::AnyModule(IFNode(IFNodeOptions()
+                                                       .v_threshold(0.8)
+                                                       .v_reset(v_reset)
+                                                       .detach_reset(detach_reset)
+                                                       .surrogate(surrogate)
+                                                       .fused(fused)));
+              }
+              auto w = torch::randn({T, 3, 4}, torch::kDouble);
+              auto run = [&](bool mine, torch::Tensor& grad) {
+                auto wg = w.clone().requires_grad_();
+                std::vector<torch::Tensor> xs;
+                for (int64_t t = 0; t < T; ++t) xs.push_back(wg[t] * 1.3);
+                std::vector<torch::Tensor> out;
+                if (mine) {
+                  for (auto& x : xs) out.push_back(node.forward(x));
+                } else {
+                  out = ref.run(xs);
+                }
+                auto spikes = torch::stack(out);
+                (spikes * torch::arange(1, T + 1, torch::kDouble).view({T, 1, 1})).sum().backward();
+                grad = wg.grad();
+                return spikes;
+              };
+              torch::Tensor g_mine, g_ref;
+              auto s_mine = run(true, g_mine);
+              auto s_ref = run(false, g_ref);
+              expect_close(s_mine, s_ref, 0.0, "spikes");
+              EXPECT_GT(s_mine.sum().item<double>(), 0.0) << "the test should make some spikes";
+              expect_close(g_mine, g_ref, 1e-12, "gradients through time");
             }
-            auto spikes = torch::stack(out);
-            (spikes * torch::arange(1, T + 1, torch::kDouble).view({T, 1, 1})).sum().backward();
-            grad = wg.grad();
-            return spikes;
-          };
-          torch::Tensor g_mine, g_ref;
-          auto s_mine = run(true, g_mine);
-          auto s_ref = run(false, g_ref);
-          expect_close(s_mine, s_ref, 0.0, "spikes");
-          EXPECT_GT(s_mine.sum().item<double>(), 0.0) << "the test should make some spikes";
-          expect_close(g_mine, g_ref, 1e-12, "gradients through time");
+          }
         }
       }
+    }
+  }
+}
+
+TEST(Neurons, FusedStepIsOneAutogradNode) {
+  LIFNode fused, plain(LIFNodeOptions().fused(false));
+  auto x = torch::randn({4, 5}, torch::requires_grad());
+  const std::string fused_name = fused(x).grad_fn()->name();
+  const std::string plain_name = plain(x).grad_fn()->name();
+  EXPECT_NE(fused_name.find("FusedNeuronStep"), std::string::npos) << fused_name;
+  EXPECT_EQ(plain_name.find("FusedNeuronStep"), std::string::npos) << plain_name;
+  // Float and the reduced types run too, and agree with the ATen path.
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    auto xs = torch::randn({64}).mul(2).to(dtype);
+    fused->reset_state();
+    plain->reset_state();
+    for (int t = 0; t < 3; ++t) {
+      auto a = fused(xs), b = plain(xs);
+      EXPECT_EQ(a.scalar_type(), dtype);
+      EXPECT_LE((a.to(torch::kDouble) - b.to(torch::kDouble)).abs().sum().item<double>(), 1.0)
+          << "at most one spike may differ by rounding, step " << t;
     }
   }
 }

@@ -1,5 +1,7 @@
 #include "mpipe/snn/neuron.h"
 
+#include "fused_neuron.h"
+
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
@@ -10,12 +12,16 @@ namespace mpipe {
 namespace snn {
 
 NeuronBase::NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
-                       bool detach_reset, Surrogate surrogate)
+                       bool detach_reset, Surrogate surrogate, bool fused,
+                       ChargeKind charge_kind, double tau)
     : name_(name),
       v_threshold_(v_threshold),
       v_reset_(v_reset),
       detach_reset_(detach_reset),
-      surrogate_(surrogate) {
+      surrogate_(surrogate),
+      fused_(fused),
+      charge_kind_(charge_kind),
+      tau_(tau) {
   TORCH_CHECK(std::isfinite(v_threshold), "mpipe::snn::", name,
               ": v_threshold must be finite, got ", v_threshold);
   TORCH_CHECK(!v_reset || std::isfinite(*v_reset), "mpipe::snn::", name,
@@ -35,6 +41,23 @@ at::Tensor NeuronBase::forward(const at::Tensor& x) {
                 " (micro-batch ", current_micro_batch().index,
                 "); reset the neurons between batches with mpipe::reset_states(model)");
     if (v.device() != x.device() || v.scalar_type() != x.scalar_type()) v = v.to(x.options());
+  }
+  if (fused_ && detail::fused_neuron_supported(x)) {  // Note [Fused neurons]
+    detail::NeuronSpec spec;
+    spec.charge = charge_kind_ == ChargeKind::IF               ? detail::kChargeIF
+                  : charge_kind_ == ChargeKind::LIFDecayInput ? detail::kChargeLIFDecayInput
+                                                               : detail::kChargeLIF;
+    spec.tau = tau_;
+    spec.v_threshold = v_threshold_;
+    spec.hard_reset = v_reset_.has_value();
+    spec.v_reset = v_reset_.value_or(0.0);
+    spec.detach_reset = detach_reset_;
+    spec.surrogate = surrogate_.kind() == Surrogate::Kind::Sigmoid ? detail::kSurrogateSigmoid
+                                                                   : detail::kSurrogateATan;
+    spec.alpha = surrogate_.alpha();
+    auto out = detail::fused_neuron_step(x, v, spec);
+    v = std::move(out.second);
+    return std::move(out.first);
   }
   v = charge(v, x);
   at::Tensor spike = surrogate_(v - v_threshold_);
@@ -60,7 +83,7 @@ void NeuronBase::print_common(std::ostream& stream) const {
 
 IFNodeImpl::IFNodeImpl(IFNodeOptions options_)
     : NeuronBase("IFNode", options_.v_threshold(), options_.v_reset(), options_.detach_reset(),
-                 options_.surrogate()),
+                 options_.surrogate(), options_.fused(), ChargeKind::IF, 1.0),
       options(options_) {}
 
 at::Tensor IFNodeImpl::charge(const at::Tensor& v, const at::Tensor& x) const { return v + x; }
@@ -73,7 +96,9 @@ void IFNodeImpl::pretty_print(std::ostream& stream) const {
 
 LIFNodeImpl::LIFNodeImpl(LIFNodeOptions options_)
     : NeuronBase("LIFNode", options_.v_threshold(), options_.v_reset(), options_.detach_reset(),
-                 options_.surrogate()),
+                 options_.surrogate(), options_.fused(),
+                 options_.decay_input() ? ChargeKind::LIFDecayInput : ChargeKind::LIF,
+                 options_.tau()),
       options(options_) {
   TORCH_CHECK(options.tau() > 1 && std::isfinite(options.tau()),
               "mpipe::snn::LIFNode: tau must be a finite number > 1, got ", options.tau());

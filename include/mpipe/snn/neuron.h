@@ -11,6 +11,11 @@
 // kept per micro-batch (Note [Per-micro-batch state] in mpipe/state.h), starts
 // at v_reset (0 for soft reset), follows the input's device and dtype, and is
 // cleared by reset_state() or mpipe::reset_states(model).
+//
+// By default (options.fused) a step runs as one fused kernel forward and one
+// backward (on the CPU, and on CUDA when mpipe was built with its kernels);
+// fused(false) runs the same step as separate ATen ops. Both give the same
+// values and gradients (to rounding).
 
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>
@@ -32,6 +37,8 @@ struct IFNodeOptions {
   TORCH_ARG(std::optional<double>, v_reset) = 0.0;
   TORCH_ARG(bool, detach_reset) = false;
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
+  /// One fused kernel per step and direction instead of separate ATen ops.
+  TORCH_ARG(bool, fused) = true;
 };
 
 struct LIFNodeOptions {
@@ -42,6 +49,8 @@ struct LIFNodeOptions {
   TORCH_ARG(std::optional<double>, v_reset) = 0.0;
   TORCH_ARG(bool, detach_reset) = false;
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
+  /// One fused kernel per step and direction instead of separate ATen ops.
+  TORCH_ARG(bool, fused) = true;
 };
 
 /// What IF and LIF share: state per micro-batch, fire, reset.
@@ -55,8 +64,11 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
 
  protected:
+  /// How the fused step charges (the ATen path calls charge()).
+  enum class ChargeKind { IF, LIFDecayInput, LIF };
   NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
-             bool detach_reset, Surrogate surrogate);
+             bool detach_reset, Surrogate surrogate, bool fused, ChargeKind charge_kind,
+             double tau);
   virtual at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const = 0;
   void print_common(std::ostream& stream) const;
 
@@ -65,6 +77,9 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   std::optional<double> v_reset_;
   bool detach_reset_;
   Surrogate surrogate_;
+  bool fused_;
+  ChargeKind charge_kind_;
+  double tau_;
 
  private:
   PerMicroBatch<at::Tensor> v_;

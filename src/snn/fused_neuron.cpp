@@ -1,0 +1,183 @@
+#include "fused_neuron.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#ifdef MPIPE_CUDA_KERNELS
+#include "fused_neuron_kernels.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <vector>
+
+namespace mpipe {
+namespace snn {
+namespace detail {
+
+// Note [Fused neurons]
+// ~~~~~~~~~~~~~~~~~~~~
+// The ATen path of a neuron step (neuron.cpp) is about ten elementwise ops
+// forward and twenty backward, each a kernel launch and an autograd node; on
+// the small tensors of SNN time steps the host's per-op cost, not the GPU,
+// sets the time. The fused step is one autograd node with one kernel each way:
+// forward computes (spike, v_next) and saves the charged potential h; backward
+// computes the surrogate gradient from h and returns the gradients of x and v
+// (neuron_math.h holds the arithmetic, shared by the CPU loop and the CUDA
+// kernel). It is the default (IFNodeOptions / LIFNodeOptions::fused); the ATen
+// path remains the fallback (fused(false), or CUDA tensors in a build without
+// the kernels) and the reference the tests compare the fused step with.
+
+bool fused_neuron_supported(const at::Tensor& x) {
+  if (x.device().is_cpu()) return true;
+#ifdef MPIPE_CUDA_KERNELS
+  return x.is_cuda();
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+#ifdef MPIPE_CUDA_KERNELS
+int kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kFloat32;
+    case at::kDouble: return kFloat64;
+    case at::kHalf: return kFloat16;
+    case at::kBFloat16: return kBFloat16;
+    default: TORCH_CHECK(false, "mpipe::snn: the fused neuron step does not support ", t);
+  }
+}
+#endif
+
+/// (spike, v_next, h).
+std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at::Tensor& v_in,
+                                     const NeuronSpec& spec) {
+  const at::Tensor x = x_in.contiguous(), v = v_in.contiguous();
+  at::Tensor spike = at::empty_like(x), v_next = at::empty_like(x), h = at::empty_like(x);
+  const int64_t n = x.numel();
+#ifdef MPIPE_CUDA_KERNELS
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const char* err = launch_neuron_forward(
+        kernel_dtype(x.scalar_type()), x.data_ptr(), v.data_ptr(), spike.data_ptr(),
+        v_next.data_ptr(), h.data_ptr(), n, spec, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron forward kernel: ", err);
+    return {spike, v_next, h};
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpipe_neuron_fwd", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const NeuronConsts<A> c(spec);
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    const scalar_t* pv = v.data_ptr<scalar_t>();
+    scalar_t* ps = spike.data_ptr<scalar_t>();
+    scalar_t* pn = v_next.data_ptr<scalar_t>();
+    scalar_t* ph = h.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        A s, vn, hh;
+        neuron_forward<A>(c, static_cast<A>(px[i]), static_cast<A>(pv[i]), s, vn, hh);
+        ps[i] = static_cast<scalar_t>(s);
+        pn[i] = static_cast<scalar_t>(vn);
+        ph[i] = static_cast<scalar_t>(hh);
+      }
+    });
+  });
+  return {spike, v_next, h};
+}
+
+/// (grad_x, grad_v_prev); an undefined output gradient counts as zero.
+std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor& gv_in,
+                                      const at::Tensor& h, const NeuronSpec& spec) {
+  const at::Tensor gs = gs_in.defined() ? gs_in.contiguous() : gs_in;
+  const at::Tensor gv = gv_in.defined() ? gv_in.contiguous() : gv_in;
+  at::Tensor gx = at::empty_like(h), gvp = at::empty_like(h);
+  const int64_t n = h.numel();
+#ifdef MPIPE_CUDA_KERNELS
+  if (h.is_cuda()) {
+    c10::cuda::CUDAGuard guard(h.device());
+    const char* err = launch_neuron_backward(
+        kernel_dtype(h.scalar_type()), gs.defined() ? gs.data_ptr() : nullptr,
+        gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(), gx.data_ptr(), gvp.data_ptr(), n,
+        spec, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron backward kernel: ", err);
+    return {gx, gvp};
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "mpipe_neuron_bwd", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const NeuronConsts<A> c(spec);
+    const scalar_t* pgs = gs.defined() ? gs.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pgv = gv.defined() ? gv.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* ph = h.data_ptr<scalar_t>();
+    scalar_t* pgx = gx.data_ptr<scalar_t>();
+    scalar_t* pgvp = gvp.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        A a, b;
+        neuron_backward<A>(c, pgs ? static_cast<A>(pgs[i]) : A(0),
+                           pgv ? static_cast<A>(pgv[i]) : A(0), static_cast<A>(ph[i]), a, b);
+        pgx[i] = static_cast<scalar_t>(a);
+        pgvp[i] = static_cast<scalar_t>(b);
+      }
+    });
+  });
+  return {gx, gvp};
+}
+
+std::vector<double> pack(const NeuronSpec& s) {
+  return {static_cast<double>(s.charge), s.tau, s.v_threshold, s.v_reset,
+          s.hard_reset ? 1.0 : 0.0, s.detach_reset ? 1.0 : 0.0,
+          static_cast<double>(s.surrogate), s.alpha};
+}
+
+NeuronSpec unpack(const std::vector<double>& p) {
+  NeuronSpec s;
+  s.charge = static_cast<int>(p[0]);
+  s.tau = p[1];
+  s.v_threshold = p[2];
+  s.v_reset = p[3];
+  s.hard_reset = p[4] != 0;
+  s.detach_reset = p[5] != 0;
+  s.surrogate = static_cast<int>(p[6]);
+  s.alpha = p[7];
+  return s;
+}
+
+struct FusedNeuronStep : torch::autograd::Function<FusedNeuronStep> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& v,
+                                                const NeuronSpec& spec) {
+    std::vector<at::Tensor> out = step_forward(x, v, spec);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({out[2]});
+    ctx->saved_data["spec"] = pack(spec);
+    return {out[0], out[1]};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor h = ctx->get_saved_variables()[0];
+    const NeuronSpec spec = unpack(ctx->saved_data["spec"].toDoubleVector());
+    std::vector<at::Tensor> g = step_backward(grads[0], grads[1], h, spec);
+    return {g[0], g[1], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x, const at::Tensor& v,
+                                                    const NeuronSpec& spec) {
+  torch::autograd::variable_list out = FusedNeuronStep::apply(x, v, spec);
+  return {out[0], out[1]};
+}
+
+}  // namespace detail
+}  // namespace snn
+}  // namespace mpipe

@@ -1,0 +1,137 @@
+// The fused neuron kernels (Note [Fused neurons] in fused_neuron.cpp): one
+// kernel per time step forward, one backward, for every element type LibTorch
+// uses for floating point. Half and bfloat16 compute in float.
+
+#include "fused_neuron_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace mpipe {
+namespace snn {
+namespace detail {
+
+namespace {
+
+template <typename S>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ double load(const double* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(double* p, int64_t i, double v) { p[i] = v; }
+__device__ __forceinline__ void store(__half* p, int64_t i, float v) { p[i] = __float2half(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16(v);
+}
+
+template <typename S>
+__global__ void forward_kernel(const S* __restrict__ x, const S* __restrict__ v,
+                               S* __restrict__ spike, S* __restrict__ v_next, S* __restrict__ h,
+                               int64_t n, NeuronConsts<typename Acc<S>::type> c) {
+  using A = typename Acc<S>::type;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    A s, vn, hh;
+    neuron_forward<A>(c, load(x, i), load(v, i), s, vn, hh);
+    store(spike, i, s);
+    store(v_next, i, vn);
+    store(h, i, hh);
+  }
+}
+
+template <typename S>
+__global__ void backward_kernel(const S* __restrict__ grad_spike, const S* __restrict__ grad_v_next,
+                                const S* __restrict__ h, S* __restrict__ grad_x,
+                                S* __restrict__ grad_v_prev, int64_t n,
+                                NeuronConsts<typename Acc<S>::type> c) {
+  using A = typename Acc<S>::type;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const A gs = grad_spike ? load(grad_spike, i) : A(0);
+    const A gv = grad_v_next ? load(grad_v_next, i) : A(0);
+    A gx, gvp;
+    neuron_backward<A>(c, gs, gv, load(h, i), gx, gvp);
+    store(grad_x, i, gx);
+    store(grad_v_prev, i, gvp);
+  }
+}
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 65535 ? b : 65535);  // grid-stride loops cover the rest
+}
+
+template <typename S>
+const char* forward_as(const void* x, const void* v, void* spike, void* v_next, void* h,
+                       int64_t n, const NeuronSpec& spec, void* stream) {
+  if (n == 0) return nullptr;
+  forward_kernel<S><<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const S*>(x), static_cast<const S*>(v), static_cast<S*>(spike),
+      static_cast<S*>(v_next), static_cast<S*>(h), n, NeuronConsts<typename Acc<S>::type>(spec));
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <typename S>
+const char* backward_as(const void* grad_spike, const void* grad_v_next, const void* h,
+                        void* grad_x, void* grad_v_prev, int64_t n, const NeuronSpec& spec,
+                        void* stream) {
+  if (n == 0) return nullptr;
+  backward_kernel<S><<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const S*>(grad_spike), static_cast<const S*>(grad_v_next),
+      static_cast<const S*>(h), static_cast<S*>(grad_x), static_cast<S*>(grad_v_prev), n,
+      NeuronConsts<typename Acc<S>::type>(spec));
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace
+
+const char* launch_neuron_forward(int dtype, const void* x, const void* v, void* spike,
+                                  void* v_next, void* h, int64_t n, const NeuronSpec& spec,
+                                  void* stream) {
+  switch (dtype) {
+    case kFloat32: return forward_as<float>(x, v, spike, v_next, h, n, spec, stream);
+    case kFloat64: return forward_as<double>(x, v, spike, v_next, h, n, spec, stream);
+    case kFloat16: return forward_as<__half>(x, v, spike, v_next, h, n, spec, stream);
+    case kBFloat16: return forward_as<__nv_bfloat16>(x, v, spike, v_next, h, n, spec, stream);
+    default: return "mpipe: unsupported dtype for the fused neuron kernel";
+  }
+}
+
+const char* launch_neuron_backward(int dtype, const void* grad_spike, const void* grad_v_next,
+                                   const void* h, void* grad_x, void* grad_v_prev, int64_t n,
+                                   const NeuronSpec& spec, void* stream) {
+  switch (dtype) {
+    case kFloat32:
+      return backward_as<float>(grad_spike, grad_v_next, h, grad_x, grad_v_prev, n, spec, stream);
+    case kFloat64:
+      return backward_as<double>(grad_spike, grad_v_next, h, grad_x, grad_v_prev, n, spec, stream);
+    case kFloat16:
+      return backward_as<__half>(grad_spike, grad_v_next, h, grad_x, grad_v_prev, n, spec, stream);
+    case kBFloat16:
+      return backward_as<__nv_bfloat16>(grad_spike, grad_v_next, h, grad_x, grad_v_prev, n, spec,
+                                        stream);
+    default: return "mpipe: unsupported dtype for the fused neuron kernel";
+  }
+}
+
+}  // namespace detail
+}  // namespace snn
+}  // namespace mpipe

@@ -1,0 +1,26 @@
+#pragma once
+
+// Private: the fused neuron step as an autograd function (Note [Fused neurons]).
+
+#include "neuron_math.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace mpipe {
+namespace snn {
+namespace detail {
+
+/// Whether the fused step can run on `x`'s device in this build: always on
+/// the CPU; on CUDA only when the kernels were compiled (MPIPE_CUDA_KERNELS).
+bool fused_neuron_supported(const at::Tensor& x);
+
+/// One time step, differentiable: returns (spike, v_next). `v` has x's shape,
+/// dtype and device.
+std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x, const at::Tensor& v,
+                                                    const NeuronSpec& spec);
+
+}  // namespace detail
+}  // namespace snn
+}  // namespace mpipe
