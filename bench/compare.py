@@ -24,6 +24,20 @@ TARGETS = {  # (workload, kind): (which ratio, bound) -- bench/README.md
 }
 
 
+# mpipe's variants of each workload and kind: (row label suffix, mpipe_bench key).
+MLP_VARIANTS = {
+    "forward": [("", "mpipe_fwd_ms"), (", cuda_graphs", "mpipe_graph_fwd_ms")],
+    "train": [("", "mpipe_train_ms"), (", cuda_graphs", "mpipe_graph_train_ms")],
+}
+SNN_VARIANTS = {
+    "forward": [(", ATen neurons", "mpipe_aten_constant_fwd_ms"), ("", "mpipe_constant_fwd_ms"),
+                (", cuda_graphs", "mpipe_graph_constant_fwd_ms")],
+    "train": [(", ATen neurons", "mpipe_aten_constant_train_ms"), ("", "mpipe_constant_train_ms"),
+              (", constant_train_step", "mpipe_constant_train_step_ms"),
+              (", constant_train_step + cuda_graphs", "mpipe_graph_constant_train_ms")],
+}
+
+
 def rows(m, s):
     for name in ("narrow-mlp", "wide-mlp", "snn-1024", "snn-256"):
         if name not in m["workloads"] or name not in s:
@@ -32,19 +46,16 @@ def rows(m, s):
         snn = name.startswith("snn")
         for kind in ("forward", "train"):
             if snn:
-                mp = mw["mpipe_constant_fwd_ms" if kind == "forward" else "mpipe_constant_train_ms"]
                 ref = sw["seed_constant_fwd_ms" if kind == "forward" else "seed_constant_train_ms"]
                 plain = mw["plain_loop_fwd_ms" if kind == "forward" else "plain_loop_train_ms"]
                 floor = sw.get("floor_graph_loop_fwd_ms") if kind == "forward" else None
             else:
-                mp = mw["mpipe_fwd_ms" if kind == "forward" else "mpipe_train_ms"]
                 ref = sw["seed_fwd_ms" if kind == "forward" else "seed_train_ms"]
                 plain = mw["plain_fwd_ms" if kind == "forward" else "plain_train_ms"]
                 floor = sw.get("floor_graph_microbatched_fwd_ms") if kind == "forward" else None
-            yield name, kind, mp, ref, plain, floor
-            graph = mw.get("mpipe_graph_constant_fwd_ms" if snn else "mpipe_graph_fwd_ms")
-            if kind == "forward" and graph is not None:
-                yield name, "forward, cuda_graphs", graph, ref, plain, floor
+            for label, key in (SNN_VARIANTS if snn else MLP_VARIANTS)[kind]:
+                if key in mw:
+                    yield name, kind + label, mw[key], ref, plain, floor
 
 
 def main():

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
@@ -68,6 +69,17 @@ struct Timer {
     if (cuda) torch::cuda::synchronize();
   }
 };
+
+/// r[key] = time(), or r[key + "_error"] = the error's text: a variant that
+/// fails (a capture that is not possible, say) must not end the whole run.
+void guarded(json& r, const std::string& key, const std::function<double()>& time) {
+  try {
+    r[key] = time();
+  } catch (const std::exception& e) {
+    std::cerr << key << " failed: " << e.what() << "\n";
+    r[key + "_error"] = e.what();
+  }
+}
 
 std::vector<torch::Device> placement(const torch::Device& device, int64_t n) {
   // One GPU: every stage on it; N >= n GPUs: stage i on cuda:i.
@@ -113,7 +125,8 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
     if (timer.cuda) {  // the same stages, replayed from a CUDA graph
       mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
-      r["mpipe_graph_fwd_ms"] = timer.median_ms([&] { graphed->forward(x, split); });
+      guarded(r, "mpipe_graph_fwd_ms",
+              [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
     }
   }
   r["plain_train_ms"] = timer.median_ms([&] {
@@ -128,6 +141,16 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
     pipe->zero_grad();
     pipe->forward(x, split).pow(2).mean().backward();
   });
+  if (timer.cuda) {  // the whole step (forward and backward) replayed from a CUDA graph
+    mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+    for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
+    guarded(r, "mpipe_graph_train_ms", [&] {
+      return timer.median_ms([&] {
+        graphed->zero_grad();
+        graphed->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split));
+      });
+    });
+  }
   return r;
 }
 
@@ -135,13 +158,20 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
                   int64_t T, bool inline_host) {
   torch::manual_seed(0);
   const auto devices = placement(device, 4);
-  std::vector<nn::Sequential> stages;
-  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!inline_host));
+  // The same Linear layers with fused LIF neurons (the default) and with the
+  // ATen path (Note [Fused neurons]).
+  std::vector<nn::Sequential> stages, aten_stages;
+  const auto options = mpipe::ModelPipelineOptions().worker_threads(!inline_host);
+  mpipe::ModelPipeline pipe(options), aten_pipe(options);
   for (int s = 0; s < 4; ++s) {
     // LIF: tau 2, decay_input, v_threshold 1, hard reset to 0, Sigmoid(alpha 4).
-    nn::Sequential stage(nn::Linear(width, width), mpipe::snn::LIFNode());
+    nn::Linear fc(width, width);
+    nn::Sequential stage(fc, mpipe::snn::LIFNode());
+    nn::Sequential aten_stage(fc, mpipe::snn::LIFNode(mpipe::snn::LIFNodeOptions().fused(false)));
     pipe->append(stage, devices[static_cast<size_t>(s)]);
+    aten_pipe->append(aten_stage, devices[static_cast<size_t>(s)]);
     stages.push_back(stage);
+    aten_stages.push_back(aten_stage);
   }
   auto x = torch::rand({batch, width}, torch::TensorOptions(devices.front())) * 2;
   auto loop = [&] {
@@ -153,32 +183,50 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
     }
     return out;
   };
-  auto piped = [&] {
-    mpipe::reset_states(*pipe);
-    return pipe->constant_forward(x, T, true);
+  auto piped = [&](mpipe::ModelPipeline& p) {
+    mpipe::reset_states(*p);
+    return p->constant_forward(x, T, true);
   };
+  const auto mean = [](const torch::Tensor& y, const torch::Tensor&) { return y.mean(); };
   json r;
   {
     torch::NoGradGuard no_grad;
     r["plain_loop_fwd_ms"] = timer.median_ms([&] { loop(); });
-    r["mpipe_constant_fwd_ms"] = timer.median_ms([&] { piped(); });
+    r["mpipe_aten_constant_fwd_ms"] = timer.median_ms([&] { piped(aten_pipe); });
+    r["mpipe_constant_fwd_ms"] = timer.median_ms([&] { piped(pipe); });
     if (timer.cuda) {  // the same stages, replayed from a CUDA graph
       mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
-      r["mpipe_graph_constant_fwd_ms"] = timer.median_ms([&] {
-        mpipe::reset_states(*graphed);
-        graphed->constant_forward(x, T, true);
-      });
+      guarded(r, "mpipe_graph_constant_fwd_ms",
+              [&] { return timer.median_ms([&] { piped(graphed); }); });
     }
   }
   r["plain_loop_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();
     loop().mean().backward();
   });
+  r["mpipe_aten_constant_train_ms"] = timer.median_ms([&] {
+    aten_pipe->zero_grad();
+    piped(aten_pipe).mean().backward();
+  });
   r["mpipe_constant_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();
-    piped().mean().backward();
+    piped(pipe).mean().backward();
   });
+  r["mpipe_constant_train_step_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    pipe->constant_train_step(x, T, torch::Tensor(), mean);
+  });
+  if (timer.cuda) {  // forward and backward replayed from one CUDA graph
+    mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+    for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
+    guarded(r, "mpipe_graph_constant_train_ms", [&] {
+      return timer.median_ms([&] {
+        graphed->zero_grad();
+        graphed->constant_train_step(x, T, torch::Tensor(), mean);
+      });
+    });
+  }
   return r;
 }
 
