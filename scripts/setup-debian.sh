@@ -6,7 +6,7 @@ set -euo pipefail
 [ "${MPIPE_SKIP_APT:-0}" = 1 ] && exit 0
 
 packages=(cmake ninja-build g++ ccache libtorch-dev libgtest-dev libbenchmark-dev
-          libgloo-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist)
+          libgloo-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libexpat1-dev dataset-fashion-mnist)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

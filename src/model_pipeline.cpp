@@ -1,7 +1,10 @@
 #include "mpipe/model_pipeline.h"
+#include "mpipe/schedule.h"
 #include "mpipe/state.h"
 
+#include "device_probe.h"
 #include "graphs.h"
+#include "recorder.h"
 #include "runtime.h"
 
 #include <ATen/Functions.h>
@@ -114,7 +117,12 @@ at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
                     job.n_items = static_cast<int64_t>(chunks.size());
                     job.micro_batched = true;
                     job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
+                    auto recorder = start_recording(
+                        "forward", job.item_name, job.n_items,
+                        schedule::fill_drain_bubble(job.n_items, static_cast<int64_t>(size())));
+                    job.recorder = recorder.get();
                     runtime_->execute(job, forwards_, threaded, in);
+                    if (recorder) pending_timeline_ = recorder;
                     return gather_items(job, size());
                   });
 }
@@ -132,7 +140,12 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
                     job.same_input = true;
                     job.reduce_sum = reduce;
                     job.source = [&in](int64_t) { return in; };
+                    auto recorder = start_recording(
+                        "constant_forward", job.item_name, T,
+                        schedule::fill_drain_bubble(T, static_cast<int64_t>(size())));
+                    job.recorder = recorder.get();
                     runtime_->execute(job, forwards_, threaded, in);
+                    if (recorder) pending_timeline_ = recorder;
                     return gather_items(job, size());
                   });
 }
@@ -148,14 +161,20 @@ at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool red
                     job.reduce_sum = reduce;
                     job.stack_outputs = true;
                     job.source = [&in](int64_t t) { return in.select(0, t); };
+                    auto recorder = start_recording(
+                        "sequence_forward", job.item_name, job.n_items,
+                        schedule::fill_drain_bubble(job.n_items, static_cast<int64_t>(size())));
+                    job.recorder = recorder.get();
                     runtime_->execute(job, forwards_, threaded, in);
+                    if (recorder) pending_timeline_ = recorder;
                     return gather_items(job, size());
                   });
 }
 
 bool ModelPipelineImpl::graphable(const at::Tensor& x) const {
-  if (!options.cuda_graphs() || !graphs_ || c10::GradMode::is_enabled() || !x.is_cuda()) {
-    return false;
+  if (!options.cuda_graphs() || !graphs_ || c10::GradMode::is_enabled() || !x.is_cuda() ||
+      options.record_timeline()) {
+    return false;  // a replay has no tasks to record (Note [Timeline])
   }
   for (const auto& d : devices_) {
     if (d != x.device()) return false;  // one device per graph (at::cuda::CUDAGraph)
@@ -171,6 +190,12 @@ at::Tensor ModelPipelineImpl::run_call(
     const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   std::lock_guard<std::mutex> lock(call_mutex_);
+  begin_memory_watch();
+  struct EndWatch {
+    ModelPipelineImpl& p;
+    const char* method;
+    ~EndWatch() { p.end_memory_watch(method); }
+  } end_watch{*this, method};
   if (graphable(x)) {
     const std::string key = c10::str(method, "|", arg0, "|", arg1, "|", x.sizes(), "|",
                                      x.scalar_type(), is_training() ? "|train" : "|eval");
@@ -198,7 +223,7 @@ bool ModelPipelineImpl::step_graphable(const at::Tensor& x, const at::Tensor& ta
     return false;  // input gradients leave the graph; recompute restores RNG state
   }
   if (target.defined() && target.device() != x.device()) return false;
-  c10::NoGradGuard no_grad;  // graphable()'s rules, apart from grad mode
+  c10::NoGradGuard no_grad;  // graphable() also refuses while recording a timeline  // graphable()'s rules, apart from grad mode
   return graphable(x);
 }
 
@@ -251,13 +276,22 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
     job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
     job.input_requires_grad = input.requires_grad();
+    auto recorder = start_recording("train_step", "micro-batch", job.n_items,
+                                    schedule::bubble(job.programs));
+    job.recorder = recorder.get();
     runtime_->train(job, forwards_, threaded, x, y, params);
+    if (recorder) pending_timeline_ = recorder;
     if (job.input_requires_grad) {
       torch::autograd::backward({input}, {at::cat(job.input_grads, 0).to(input.device())});
     }
     return job.loss_sum;
   };
   std::lock_guard<std::mutex> lock(call_mutex_);
+  begin_memory_watch();
+  struct EndWatch {
+    ModelPipelineImpl& p;
+    ~EndWatch() { p.end_memory_watch("train_step"); }
+  } end_watch{*this};
   std::string key;
   if (options.cuda_graphs()) {
     key = c10::str("train_step|", rows, "|", static_cast<int>(step.schedule()), "|",
@@ -287,7 +321,11 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     job.same_input = true;
     job.reduce_sum = true;
     job.source = [&in](int64_t) { return in; };
+    auto recorder = start_recording("constant_train_step", job.item_name, T,
+                                    schedule::fill_drain_bubble(T, static_cast<int64_t>(size())));
+    job.recorder = recorder.get();
     runtime_->execute(job, forwards_, threaded, in);
+    if (recorder) pending_timeline_ = recorder;
     at::Tensor loss = loss_fn(gather_items(job, size()), tgt);
     TORCH_CHECK(loss.defined() && loss.numel() == 1,
                 "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
@@ -299,6 +337,11 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     return loss.detach();
   };
   std::lock_guard<std::mutex> lock(call_mutex_);
+  begin_memory_watch();
+  struct EndWatch {
+    ModelPipelineImpl& p;
+    ~EndWatch() { p.end_memory_watch("constant_train_step"); }
+  } end_watch{*this};
   reset_states(*this);
   struct ResetAfter {  // state does not outlive the step, whatever happens
     torch::nn::Module& m;
@@ -313,6 +356,70 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
   // x keeps its autograd identity (its gradient is accumulated if it requires
   // one); such a step is never graphed.
   return run_step(key, x, target, eager);
+}
+
+std::shared_ptr<detail::Recorder> ModelPipelineImpl::start_recording(
+    const char* method, const char* item_name, int64_t n_items, double schedule_bubble) const {
+  if (!options.record_timeline()) return nullptr;
+  return std::make_shared<detail::Recorder>(method, item_name, n_items, devices_, schedule_bubble);
+}
+
+Timeline ModelPipelineImpl::timeline() {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  if (pending_timeline_) {
+    timeline_ = pending_timeline_->finish();
+    pending_timeline_.reset();
+  }
+  return timeline_;
+}
+
+void ModelPipelineImpl::begin_memory_watch() {
+  if (!options.track_memory()) return;
+  memory_counters_.clear();
+  for (const auto& d : devices_) {
+    bool seen = false;
+    for (const auto& c : memory_counters_) seen |= c.device == d;
+    if (!d.is_cuda() || seen) continue;
+    detail::reset_allocator_peak(d);
+    memory_counters_.push_back({d, detail::allocator_counters(d).allocated, -1});
+  }
+}
+
+void ModelPipelineImpl::end_memory_watch(const char* method) {
+  if (!options.track_memory()) return;
+  for (auto& c : memory_counters_) c.peak = detail::allocator_counters(c.device).peak;
+  memory_call_ = method;
+}
+
+MemoryReport ModelPipelineImpl::memory_report() const {
+  MemoryReport report;
+  report.last_call = memory_counters_.empty() ? std::string() : memory_call_;
+  auto row = [&](c10::Device d) -> DeviceMemory& {
+    for (auto& r : report.devices) {
+      if (r.device == d) return r;
+    }
+    report.devices.emplace_back();
+    report.devices.back().device = d;
+    return report.devices.back();
+  };
+  for (size_t j = 0; j < size(); ++j) {
+    DeviceMemory& r = row(devices_[j]);
+    ++r.stages;
+    const auto& m = stages_->ptr(j);
+    for (const auto& p : m->parameters()) {
+      r.parameter_bytes += static_cast<int64_t>(p.nbytes());
+      if (p.grad().defined()) r.gradient_bytes += static_cast<int64_t>(p.grad().nbytes());
+    }
+    for (const auto& b : m->buffers()) r.buffer_bytes += static_cast<int64_t>(b.nbytes());
+  }
+  for (auto& r : report.devices) {
+    for (const auto& c : memory_counters_) {
+      if (c.device != r.device) continue;
+      r.allocated_before_bytes = c.before;
+      r.peak_allocated_bytes = c.peak;
+    }
+  }
+  return report;
 }
 
 std::shared_ptr<torch::nn::Module> ModelPipelineImpl::stage(size_t index) const {

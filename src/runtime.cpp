@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "recorder.h"
+
 #include "streams.h"
 
 #include "mpipe/schedule.h"
@@ -51,7 +53,7 @@ void Runtime::add_stage(c10::Device device) {
   stages_.push_back(stage);
 }
 
-at::Tensor Runtime::receive(Handoff in, int64_t stage_index) {
+at::Tensor Runtime::receive(Handoff in, int64_t stage_index, Recorder* recorder, int64_t item) {
   const Stage& stage = stages_[stage_index];
   at::Tensor value = std::move(in.value);
   const c10::Device src = value.device();
@@ -64,6 +66,7 @@ at::Tensor Runtime::receive(Handoff in, int64_t stage_index) {
   }
   if (src.is_cpu()) {
     c10::StreamGuard guard(*stage.compute);
+    TaskSpan span(recorder, stage_index, item, TaskKind::Copy, stage.device, stage.compute);
     return value.to(stage.device, /*non_blocking=*/true);
   }
   const c10::Stream copy =
@@ -71,10 +74,12 @@ at::Tensor Runtime::receive(Handoff in, int64_t stage_index) {
   if (in.ready) in.ready->block(copy);
   if (stage.device.is_cpu()) {
     c10::StreamGuard guard(copy);
+    TaskSpan span(recorder, stage_index, item, TaskKind::Copy, stage.device, c10::nullopt);
     return value.to(stage.device, /*non_blocking=*/false);
   }
   const c10::Stream streams[] = {copy, *stage.compute};
   c10::MultiStreamGuard guard(streams);
+  TaskSpan span(recorder, stage_index, item, TaskKind::Copy, stage.device, copy);
   at::Tensor out = value.to(stage.device, /*non_blocking=*/true);
   record_on(value, copy);
   return out;
@@ -90,15 +95,16 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
     if (job.same_input && item > 0) {
       input = job.received_input;
     } else {
-      input = receive(Handoff{job.source(item), entry}, 0);
+      input = receive(Handoff{job.source(item), entry}, 0, job.recorder, item);
       if (job.same_input) job.received_input = input;
     }
   } else {
-    input = receive(std::move(in), stage_index);
+    input = receive(std::move(in), stage_index, job.recorder, item);
   }
 
   c10::OptionalStreamGuard guard(stage.compute);
   MicroBatchGuard micro_batch(job.micro_batched ? MicroBatch{item, job.n_items} : MicroBatch{});
+  TaskSpan span(job.recorder, stage_index, item, TaskKind::Forward, stage.device, stage.compute);
   at::Tensor output = forwards[stage_index](input);
   TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
   if (last) {

@@ -22,6 +22,8 @@
 namespace mpipe {
 namespace detail {
 
+class Recorder;  // recorder.h
+
 // Note [Pipeline runtime]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // Streams. Every stage on a CUDA device owns a compute stream taken from that
@@ -156,6 +158,8 @@ struct Job {
   std::vector<at::Tensor> outputs;
   /// Stage 0's input when same_input, once received.
   at::Tensor received_input;
+  /// Records every task when the timeline is on (Note [Timeline]); else null.
+  Recorder* recorder = nullptr;
 };
 
 /// One training step's work (ModelPipelineImpl::train_step).
@@ -174,6 +178,8 @@ struct TrainJob {
   /// requires grad) and the summed weighted loss, detached.
   std::vector<at::Tensor> input_grads;
   at::Tensor loss_sum;
+  /// Records every task when the timeline is on (Note [Timeline]); else null.
+  Recorder* recorder = nullptr;
 };
 
 class Runtime {
@@ -216,7 +222,9 @@ class Runtime {
 
   Handoff run_task(Job& job, const std::vector<StageForward>& forwards, int64_t stage,
                    int64_t item, Handoff in, const std::shared_ptr<c10::Event>& entry);
-  at::Tensor receive(Handoff in, int64_t stage);
+  /// `in` made usable by `stage`; a copy between devices is recorded as a
+  /// Copy task of `item` when `recorder` is set.
+  at::Tensor receive(Handoff in, int64_t stage, Recorder* recorder = nullptr, int64_t item = 0);
   void task(const std::shared_ptr<Call>& call, int64_t stage, int64_t item, Handoff in);
   /// Called inside a catch block: the current exception as a c10::Error that
   /// names the method, stage, device and item ("micro-batch 3 of 8").

@@ -2,6 +2,7 @@
 
 #include "runtime.h"
 
+#include "recorder.h"
 #include "streams.h"
 
 #include "mpipe/checkpoint.h"
@@ -147,14 +148,17 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
   TrainJob& job = *call.job;
   const Stage& stage = stages_[static_cast<size_t>(j)];
   const bool last = j + 1 == static_cast<int64_t>(stages_.size());
-  at::Tensor in = j == 0 ? receive(Handoff{job.input(i), call.input_entry}, 0)
-                         : receive(call.take(j, schedule::OpKind::Forward, i), j);
+  at::Tensor in = j == 0 ? receive(Handoff{job.input(i), call.input_entry}, 0, job.recorder, i)
+                         : receive(call.take(j, schedule::OpKind::Forward, i), j, job.recorder, i);
   auto& sv = call.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
   sv.checkpointed = checkpointed(job.checkpoint, i, job.n_items);
   sv.input = in.detach().requires_grad_(j > 0 || job.input_requires_grad);
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
   MicroBatchGuard micro_batch({i, job.n_items});
+  // Ends before the hand-off, so the next stage's task starts after it.
+  c10::optional<TaskSpan> span;
+  span.emplace(job.recorder, j, i, TaskKind::Forward, stage.device, stage.compute);
   at::Tensor out;
   {
     std::unique_lock<std::mutex> rng_lock(*stage.rng_mutex, std::defer_lock);
@@ -169,7 +173,7 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
   }
   TORCH_CHECK(out.defined(), "the stage returned an undefined tensor");
   if (last) {
-    const at::Tensor target = receive(Handoff{job.target(i), call.target_entry}, j);
+    const at::Tensor target = receive(Handoff{job.target(i), call.target_entry}, j, job.recorder, i);
     at::Tensor loss;
     if (sv.checkpointed) {
       c10::NoGradGuard no_grad;
@@ -183,6 +187,7 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
     return;
   }
   if (!sv.checkpointed) sv.output = out;
+  span.reset();
   call.put(j + 1, schedule::OpKind::Forward, i,
            Handoff{out.detach(), stage.compute ? record_event(*stage.compute) : nullptr});
 }
@@ -193,12 +198,13 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
   const bool last = j + 1 == static_cast<int64_t>(stages_.size());
   auto& sv = call.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
   at::Tensor grad;
-  if (!last) grad = receive(call.take(j, schedule::OpKind::Backward, i), j);
+  if (!last) grad = receive(call.take(j, schedule::OpKind::Backward, i), j, job.recorder, i);
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
   MicroBatchGuard micro_batch({i, job.n_items});
   at::Tensor root = sv.output;
   if (sv.checkpointed) {
+    TaskSpan span(job.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
     std::lock_guard<std::mutex> rng_lock(*stage.rng_mutex);
     RngRestore restore(stage.device);
     set_rng_state(stage.device, sv.rng_state);
@@ -206,6 +212,8 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
     at::Tensor out = (*call.forwards)[static_cast<size_t>(j)](sv.input);
     root = last ? job.loss(i, out, sv.target) : out;
   }
+  c10::optional<TaskSpan> span;  // ends before the hand-off, as in train_forward
+  span.emplace(job.recorder, j, i, TaskKind::Backward, stage.device, stage.compute);
   if (root.requires_grad()) {
     if (last) {
       torch::autograd::backward({root});
@@ -215,6 +223,7 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
   }
   at::Tensor input_grad = sv.input.grad();
   if (!input_grad.defined() && sv.input.requires_grad()) input_grad = at::zeros_like(sv.input);
+  span.reset();
   if (j > 0) {
     call.put(j - 1, schedule::OpKind::Backward, i,
              Handoff{input_grad, stage.compute ? record_event(*stage.compute) : nullptr});

@@ -6,6 +6,7 @@
 #include "fashion_mnist.h"
 
 #include <mpipe/device.h>
+#include <mpipe/model_pipeline.h>
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -14,6 +15,7 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstdint>
 #include <functional>
 #include <cmath>
@@ -101,6 +103,8 @@ struct CommonFlags {
   bool quick = false;
   bool inline_host = false;
   bool skip_if_no_data = false;
+  std::string timeline;  // path prefix: PREFIX.json and PREFIX.svg of one step
+  bool memory_report = false;
 };
 
 inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help) {
@@ -117,6 +121,41 @@ inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& q
   app.add_flag("--inline", f.inline_host, "issue all stages from the caller's thread");
   app.add_flag("--skip-if-no-data", f.skip_if_no_data,
                "exit 77 (a skip for ctest) when the data set is not installed");
+  app.add_option("--timeline", f.timeline,
+                 "record the second training step's tasks; write PREFIX.json (Chrome trace) and "
+                 "PREFIX.svg (Gantt chart)");
+  app.add_flag("--memory-report", f.memory_report,
+               "print the per-device memory report after the second training step");
+}
+
+/// The training step --timeline and --memory-report look at: the second, so
+/// that one-off start-up costs stay out of the picture.
+constexpr int64_t kRecordedStep = 1;
+
+/// Turns recording on for step `step` if it is the recorded one and a flag
+/// asks for it; returns whether it did.
+inline bool begin_recorded_step(mpipe::ModelPipeline& pipe, const CommonFlags& f, int64_t step) {
+  if (step != kRecordedStep || (f.timeline.empty() && !f.memory_report)) return false;
+  pipe->options.record_timeline(!f.timeline.empty()).track_memory(f.memory_report);
+  return true;
+}
+
+/// Turns recording off again and writes or prints what it recorded.
+inline void end_recorded_step(mpipe::ModelPipeline& pipe, const CommonFlags& f) {
+  pipe->options.record_timeline(false).track_memory(false);
+  if (!f.timeline.empty()) {
+    const mpipe::Timeline t = pipe->timeline();
+    const auto folder = std::filesystem::path(f.timeline).parent_path();
+    if (!folder.empty()) std::filesystem::create_directories(folder);
+    t.save_chrome_trace(f.timeline + ".json");
+    t.save_svg(f.timeline + ".svg");
+    std::printf("timeline of training step %lld (%s): %zu tasks in %.2f ms, bubble %.1f %% "
+                "measured, %.1f %% by the schedule; wrote %s.json and %s.svg\n",
+                static_cast<long long>(kRecordedStep + 1), t.method.c_str(), t.tasks.size(),
+                t.makespan_ms(), 100 * t.bubble_fraction(), 100 * t.schedule_bubble,
+                f.timeline.c_str(), f.timeline.c_str());
+  }
+  if (f.memory_report) std::printf("%s", pipe->memory_report().to_string().c_str());
 }
 
 constexpr int kSkipExitCode = 77;  // ctest's SKIP_RETURN_CODE

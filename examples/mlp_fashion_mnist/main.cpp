@@ -124,8 +124,10 @@ int run(Config cfg) {
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
       examples::set_cosine_lr<torch::optim::AdamOptions>(opt, cfg.lr, step, total_steps);
       opt.zero_grad();
+      const bool recorded = examples::begin_recorded_step(pipe, common, step);
       loss_sum += pipe->train_step(x, y, loss_fn,
                                    mpipe::TrainStepOptions(cfg.split).schedule(schedule)) * n;
+      if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
     }
     const double mean_loss = loss_sum.item<double>() / train.size();

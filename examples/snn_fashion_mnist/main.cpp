@@ -151,11 +151,13 @@ int run(Config cfg) {
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
       examples::set_cosine_lr<torch::optim::SGDOptions>(opt, cfg.lr, step, total_steps);
+      const bool recorded = examples::begin_recorded_step(pipe, common, step);
       auto rate = mpipe::snn::rate_from_sum(pipe->constant_forward(x, cfg.time_steps),
                                             cfg.time_steps);
       auto loss = mpipe::snn::rate_mse_loss(rate, y);
       opt.zero_grad();
       loss.backward();
+      if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
       mpipe::reset_states(*pipe);
       loss_sum += loss.detach() * n;

@@ -6,7 +6,9 @@
 // docs/design.md.
 
 #include <mpipe/device.h>
+#include <mpipe/memory.h>
 #include <mpipe/pipeline_options.h>
+#include <mpipe/timeline.h>
 #include <mpipe/training.h>
 
 #include <torch/nn/module.h>
@@ -27,6 +29,7 @@ namespace mpipe {
 namespace detail {
 class Runtime;
 class GraphCache;
+class Recorder;
 /// How the runtime calls a stage: one tensor in, one tensor out.
 using StageForward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -149,6 +152,16 @@ class ModelPipelineImpl : public torch::nn::Module {
   void clear_cuda_graphs();
   /// How many calls are held as CUDA graphs now (0 without CUDA).
   size_t cuda_graphs_captured() const;
+
+  /// The tasks of the last call that ran with options.record_timeline (an
+  /// empty Timeline if none did). Waits for the call's device work to finish.
+  /// Export with Timeline::save_chrome_trace / save_svg.
+  Timeline timeline();
+
+  /// Parameters, gradients and buffers per stage device now, plus, with
+  /// options.track_memory, the caching allocator's figures of the last call
+  /// on each CUDA device (print it with MemoryReport::to_string()).
+  MemoryReport memory_report() const;
   void pretty_print(std::ostream& stream) const override;
 
   ModelPipelineOptions options;
@@ -173,12 +186,29 @@ class ModelPipelineImpl : public torch::nn::Module {
   at::Tensor run_call(const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
                       const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
 
+  /// A recorder for a call of `n_items` items when options.record_timeline,
+  /// else null; `schedule_bubble` is the schedule's idle fraction.
+  std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
+                                                    int64_t n_items, double schedule_bubble) const;
+  /// With options.track_memory: resets the allocator peaks of the stage
+  /// devices (begin) and reads them after the call (end).
+  void begin_memory_watch();
+  void end_memory_watch(const char* method);
+
   torch::nn::ModuleList stages_;
   std::vector<detail::StageForward> forwards_;
   std::vector<c10::Device> devices_;
   std::unique_ptr<detail::Runtime> runtime_;
   std::shared_ptr<detail::GraphCache> graphs_;  // null without CUDA
-  std::mutex call_mutex_;  // one forward at a time: stages' state must see calls in order
+  std::mutex call_mutex_;
+  std::shared_ptr<detail::Recorder> pending_timeline_;  // the last recorded call
+  Timeline timeline_;                                   // ...once resolved
+  std::string memory_call_;
+  struct MemoryCounters {
+    c10::Device device;
+    int64_t before, peak;
+  };
+  std::vector<MemoryCounters> memory_counters_;  // per CUDA stage device, last call  // one forward at a time: stages' state must see calls in order
 };
 
 /// A holder for ModelPipelineImpl, as torch::nn's modules have.

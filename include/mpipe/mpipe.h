@@ -6,9 +6,11 @@
 #include <mpipe/batchnorm.h>
 #include <mpipe/checkpoint.h>
 #include <mpipe/device.h>
+#include <mpipe/memory.h>
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
 #include <mpipe/state.h>
+#include <mpipe/timeline.h>
 #include <mpipe/training.h>
 #include <mpipe/version.h>

@@ -26,6 +26,14 @@ struct ModelPipelineOptions {
   /// Needs a CUDA build of LibTorch; elsewhere, or when a call does not
   /// qualify, the call runs as usual. See Note [CUDA graphs].
   TORCH_ARG(bool, cuda_graphs) = false;
+  /// Record every task of each call (stage, item, forward / backward /
+  /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
+  /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].
+  TORCH_ARG(bool, record_timeline) = false;
+  /// Reset the CUDA caching allocator's peak counter of every stage device at
+  /// the start of each call and read it at the end, for memory_report(). The
+  /// counters are process-wide: leave this off if other code reads them.
+  TORCH_ARG(bool, track_memory) = false;
 };
 
 }  // namespace mpipe

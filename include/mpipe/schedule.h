@@ -214,5 +214,18 @@ inline std::vector<std::vector<TimedOp>> simulate(const std::vector<Program>& pr
   return ticks;
 }
 
+/// Fraction of stage-tick slots left idle when `programs` run on simulate's
+/// unit clock: 1 - operations / (stages * ticks). For GPipe and 1F1B it is
+/// (n - 1) / (m + n - 1), as for fill_drain.
+inline double bubble(const std::vector<Program>& programs) {
+  if (programs.empty()) return 0.0;
+  const auto ticks = simulate(programs);
+  size_t ops = 0;
+  for (const auto& t : ticks) ops += t.size();
+  if (ticks.empty()) return 0.0;
+  return 1.0 - static_cast<double>(ops) /
+                   (static_cast<double>(programs.size()) * static_cast<double>(ticks.size()));
+}
+
 }  // namespace schedule
 }  // namespace mpipe

@@ -1,0 +1,39 @@
+#pragma once
+
+// A per-device memory summary of a pipeline (ModelPipelineImpl::memory_report).
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+
+struct DeviceMemory {
+  c10::Device device = c10::kCPU;
+  int64_t stages = 0;  ///< how many stages run on this device
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;  ///< parameters' .grad tensors now
+  int64_t buffer_bytes = 0;    ///< running statistics and other buffers
+  /// CUDA devices with ModelPipelineOptions::track_memory: the caching
+  /// allocator's allocated bytes when the last call began and their peak
+  /// during it (all of the process's tensors on that device). -1 otherwise.
+  int64_t allocated_before_bytes = -1;
+  int64_t peak_allocated_bytes = -1;
+  /// What the last call added at its peak: its activations and the gradients
+  /// in flight (peak - before); -1 when unknown.
+  int64_t call_peak_bytes() const {
+    return peak_allocated_bytes < 0 ? -1 : peak_allocated_bytes - allocated_before_bytes;
+  }
+};
+
+struct MemoryReport {
+  std::string last_call;  ///< the method the allocator figures belong to, or ""
+  std::vector<DeviceMemory> devices;
+  /// A table with a row per device, sizes in KiB/MiB/GiB, "n/a" where a
+  /// figure cannot be counted (on the CPU, the activations' peak).
+  std::string to_string() const;
+};
+
+}  // namespace mpipe

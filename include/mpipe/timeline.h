@@ -1,0 +1,65 @@
+#pragma once
+
+// What a pipeline did, task by task: recorded when
+// ModelPipelineOptions::record_timeline is on, read with
+// ModelPipelineImpl::timeline(), exported as a Chrome trace (Perfetto,
+// chrome://tracing) or a self-contained SVG Gantt chart.
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+
+enum class TaskKind {
+  Forward,    ///< a stage's forward of one micro-batch or time step
+  Backward,   ///< a stage's backward of one micro-batch (train_step)
+  Recompute,  ///< a checkpointed forward run again before its backward
+  Copy,       ///< an activation or gradient copied between devices
+};
+
+const char* to_string(TaskKind kind);
+
+/// One task. Times are milliseconds since the call began: on CUDA devices
+/// taken from timing events on the stage's stream (when the GPU ran the
+/// task), elsewhere from the host's steady clock (when the host ran it).
+struct TimelineTask {
+  int64_t stage = 0;
+  int64_t item = 0;  ///< micro-batch or time step
+  TaskKind kind = TaskKind::Forward;
+  c10::Device device = c10::kCPU;
+  double start_ms = 0;
+  double end_ms = 0;
+};
+
+struct Timeline {
+  std::string method;     ///< "forward", "train_step", ...
+  std::string item_name;  ///< "micro-batch" or "time step"
+  int64_t n_stages = 0;
+  int64_t n_items = 0;
+  std::vector<c10::Device> stage_devices;
+  std::vector<TimelineTask> tasks;
+  /// The schedule's idle fraction on a unit clock (schedule::bubble).
+  double schedule_bubble = 0;
+
+  bool empty() const { return tasks.empty(); }
+  /// From the first task's start to the last task's end.
+  double makespan_ms() const;
+  /// Measured idle fraction: 1 - (time stages spent in forward, backward or
+  /// recompute tasks) / (n_stages * makespan). Copies do not count as work.
+  double bubble_fraction() const;
+  /// Chrome trace event format (JSON): a track per stage, one complete event
+  /// per task, the bubble fractions under "otherData".
+  std::string to_chrome_trace() const;
+  /// A self-contained SVG Gantt chart: a row per stage, a colour per item,
+  /// backward darker than forward, a time axis, and both bubble fractions.
+  std::string to_svg() const;
+  /// Write to_chrome_trace() / to_svg() to `path`; throw c10::Error if the
+  /// file cannot be written.
+  void save_chrome_trace(const std::string& path) const;
+  void save_svg(const std::string& path) const;
+};
+
+}  // namespace mpipe
