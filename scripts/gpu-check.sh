@@ -6,14 +6,17 @@
 # bench = mpipe_bench beside the reference class's bench_seed.py (copied to
 # .devdata/seed) and bench/compare.py's table; snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
-# ${OUT:-/tmp/mpipe-gpu}. Header-only extras that machine lacks (CLI11, zlib's
+# ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
+# (few files, since a device call brings back at most 8), plus the benchmark's
+# JSON and compare.md. Header-only extras that machine lacks (CLI11, zlib's
 # headers) may be carried in .devdata/include.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mpipe-gpu}
 mkdir -p "$out"
 steps=${MPIPE_GPU_STEPS:-tests snn}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+log="$out/run.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 export MPIPE_SKIP_APT=1 MPIPE_BUILD_DIR=${MPIPE_BUILD_DIR:-build-gpu}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -27,30 +30,30 @@ bash scripts/build.sh "-DCMAKE_PREFIX_PATH=$prefix;$PWD/.devdata" "${extra[@]}" 
   || { tail -n 60 "$out/build.log"; exit 1; }
 bin=$MPIPE_BUILD_DIR
 if [[ " $steps " == *" tests "* ]]; then
-  (cd "$bin" && ctest --output-on-failure -j 8) 2>&1 | tee "$out/test.log"
+  (cd "$bin" && ctest --output-on-failure -j 8) 2>&1 | tee -a "$log"
   status=${PIPESTATUS[0]}
-  "$bin/tests/mpipe_tests" --gtest_filter='*CUDA*' 2>&1 | tee "$out/cuda-tests.log"
+  "$bin/tests/mpipe_tests" --gtest_filter='*CUDA*' 2>&1 | tee -a "$log"
 fi
 if [[ " $steps " == *" mlp "* ]]; then
-  "$bin/examples/pipelined_mlp/pipelined_mlp" 2>&1 | tee "$out/mlp.log"
+  "$bin/examples/pipelined_mlp/pipelined_mlp" 2>&1 | tee -a "$log"
 fi
 if [[ " $steps " == *" mlpfm "* ]]; then
   # shellcheck disable=SC2086
   timeout "${MPIPE_MLP_TIMEOUT:-300}" "$bin/examples/mlp_fashion_mnist/mlp_fashion_mnist" \
-    --data .devdata/fashion-mnist --out /tmp/mlp_out ${MPIPE_MLP_FLAGS:-} 2>&1 | tee "$out/mlpfm.log"
+    --data .devdata/fashion-mnist --out /tmp/mlp_out ${MPIPE_MLP_FLAGS:-} 2>&1 | tee -a "$log"
 fi
 if [[ " $steps " == *" bench "* ]]; then
   # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
   # shellcheck disable=SC2086
-  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" ${MPIPE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a "$log"
   if [ -z "${MPIPE_BENCH_ARGS:-}" ]; then
-    PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$out/bench.log"
+    PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$log"
     python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
   fi
 fi
 if [[ " $steps " == *" snn "* ]]; then
   # shellcheck disable=SC2086
   timeout "${MPIPE_SNN_TIMEOUT:-540}" "$bin/examples/snn_fashion_mnist/snn_fashion_mnist" \
-    --data .devdata/fashion-mnist --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee "$out/snn.log"
+    --data .devdata/fashion-mnist --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a "$log"
 fi
 exit "$status"

@@ -104,7 +104,9 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
 
   c10::OptionalStreamGuard guard(stage.compute);
   MicroBatchGuard micro_batch(job.micro_batched ? MicroBatch{item, job.n_items} : MicroBatch{});
-  TaskSpan span(job.recorder, stage_index, item, TaskKind::Forward, stage.device, stage.compute);
+  // Ends before the hand-off event, so the next stage's task starts after it.
+  c10::optional<TaskSpan> span;
+  span.emplace(job.recorder, stage_index, item, TaskKind::Forward, stage.device, stage.compute);
   at::Tensor output = forwards[stage_index](input);
   TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
   if (last) {
@@ -115,6 +117,7 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
     }
     return Handoff{};
   }
+  span.reset();
   Handoff out{std::move(output), nullptr};
   if (stage.compute) out.ready = record_event(*stage.compute);
   return out;
