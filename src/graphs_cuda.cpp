@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <map>
 #include <set>
@@ -50,8 +51,12 @@ namespace detail {
 // storage was replaced since the capture (data_ptr changed) drops the graph
 // and the step is captured again. The first sight of a key runs eagerly (the
 // warm-up: cuBLAS handles, workspaces, allocator), the second captures and
-// replays. The step's activations live in the graph's private memory pool
-// between replays: a graphed step keeps its peak memory reserved.
+// replays. A step is captured only when no parameter's AccumulateGrad node is
+// alive from an earlier autograd graph (that node keeps the stream it was
+// made on, possibly the default stream, which a capture cannot wait on);
+// until then steps run eagerly. The step's activations live in the graph's
+// private memory pool between replays: a graphed step keeps its peak memory
+// reserved.
 
 constexpr size_t kMaxGraphs = 16;
 
@@ -93,7 +98,9 @@ void capture(at::cuda::CUDAGraph& graph, const std::function<void()>& before,
   {
     c10::cuda::CUDAStreamGuard stream_guard(side);
     before();
-    graph.capture_begin();
+    // Thread-local mode: only this thread is barred from unsafe CUDA calls
+    // while capturing; the autograd engine's thread and others run freely.
+    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       body();
     } catch (...) {
@@ -162,6 +169,15 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
   if (it == cache.steps.end()) {
     if (cache.failed.count(key) || cache.size() >= kMaxGraphs) return at::Tensor();
     if (cache.warmed.insert(key).second) return at::Tensor();  // first sight: eager warm-up
+    for (const auto& p : params) {
+      // A live AccumulateGrad node (an autograd graph of an earlier call still
+      // referenced, e.g. by a neuron's state) keeps the stream it was made on,
+      // maybe the default stream, which a capture cannot wait on: run this
+      // step eagerly and capture a later one.
+      if (p.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(p)) {
+        return at::Tensor();
+      }
+    }
     GraphCache::StepEntry entry;
     for (const auto& t : inputs) entry.inputs.push_back(t.defined() ? t.clone() : t);
     for (const auto& p : params) {

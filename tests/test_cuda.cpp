@@ -328,9 +328,10 @@ TEST(Cuda, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
       fc->weight.mul_(3);
       fc->bias.fill_(1.2);
     }
-    torch::nn::Sequential s(fc, mpipe::snn::LIFNode());
-    eager->append(s, g);
-    graphed->append(copy_of(s), g);
+    // Equal weights, separate modules (neurons are not Cloneable).
+    auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
+    eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
+    graphed->append(torch::nn::Sequential(torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()), g);
   }
   torch::optim::SGD opt_eager(eager->parameters(), 0.05);
   torch::optim::SGD opt_graphed(graphed->parameters(), 0.05);
