@@ -31,10 +31,11 @@ at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tens
                        const std::function<at::Tensor(const at::Tensor&)>& eager,
                        const std::function<void()>& reset);
 
-/// A training step (forward and backward) as a graph. Returns an undefined
-/// tensor when the caller must run the step eagerly itself: the first time a
-/// key is seen (that eager step is the warm-up), when the cache is full, or
-/// when capturing this key failed before. Otherwise captures `step` on the
+/// A training step (forward and backward) as a graph. The first time a key is
+/// seen, runs `step(inputs)` eagerly (the warm-up) and returns its loss.
+/// Returns an undefined tensor when the caller must run the step eagerly
+/// itself: the cache is full, capturing this key failed before, or an earlier
+/// autograd graph still holds a parameter. Otherwise captures `step` on the
 /// second sight of a key, then replays: `inputs` are copied into static
 /// copies, every parameter in `params` that requires grad accumulates into a
 /// static .grad (Note [Graphed training steps]), and a copy of the step's

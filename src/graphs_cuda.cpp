@@ -49,9 +49,10 @@ namespace detail {
 // equals eager's "first gradient becomes .grad"; another tensor -> its values
 // are copied into the static one, which becomes .grad again. A parameter whose
 // storage was replaced since the capture (data_ptr changed) drops the graph
-// and the step is captured again. The first sight of a key runs eagerly (the
-// warm-up: cuBLAS handles, workspaces, allocator), the second captures and
-// replays. A step is captured only when no parameter's AccumulateGrad node is
+// and the step is captured again. The first sight of a key runs the step
+// eagerly on the caller's thread, as the capture will (the warm-up: that
+// thread's cuBLAS handle and workspaces, the allocator), the second captures
+// and replays. A step is captured only when no parameter's AccumulateGrad node is
 // alive from an earlier autograd graph (that node keeps the stream it was
 // made on, possibly the default stream, which a capture cannot wait on);
 // until then steps run eagerly. The step's activations live in the graph's
@@ -168,7 +169,12 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
   }
   if (it == cache.steps.end()) {
     if (cache.failed.count(key) || cache.size() >= kMaxGraphs) return at::Tensor();
-    if (cache.warmed.insert(key).second) return at::Tensor();  // first sight: eager warm-up
+    if (cache.warmed.insert(key).second) {
+      // First sight: the real step, run eagerly on this thread as the capture
+      // will be, so that this thread's library handles (cuBLAS) and
+      // workspaces exist before the capture, which must not create them.
+      return step(inputs);
+    }
     for (const auto& p : params) {
       // A live AccumulateGrad node (an autograd graph of an earlier call still
       // referenced, e.g. by a neuron's state) keeps the stream it was made on,

@@ -6,9 +6,11 @@
 #include "graphs.h"
 #include "recorder.h"
 #include "runtime.h"
+#include "streams.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
@@ -326,14 +328,24 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     job.recorder = recorder.get();
     runtime_->execute(job, forwards_, threaded, in);
     if (recorder) pending_timeline_ = recorder;
-    at::Tensor loss = loss_fn(gather_items(job, size()), tgt);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
-                "value, got ",
-                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-    loss = loss.reshape({});
-    torch::autograd::backward({loss});
-    runtime_->join();  // the backward ran on the stage streams too
+    const at::Tensor out = gather_items(job, size());
+    at::Tensor loss;
+    {
+      // The loss and the backward call run on the last stage's stream, as in
+      // train_step; the caller's stream waits for them below.
+      c10::OptionalStreamGuard last_stage(runtime_->compute_stream(size() - 1));
+      loss = loss_fn(out, tgt);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
+                  "value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      torch::autograd::backward({loss});
+    }
+    runtime_->join();  // the caller's streams wait for the stage streams
+    if (const auto last = runtime_->compute_stream(size() - 1)) {
+      detail::record_on(loss, detail::current_stream(last->device()));  // used there now
+    }
     return loss.detach();
   };
   std::lock_guard<std::mutex> lock(call_mutex_);

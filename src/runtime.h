@@ -192,6 +192,9 @@ class Runtime {
   /// Prepares streams for a stage appended on `device`.
   void add_stage(c10::Device device);
 
+  /// Stage `stage`'s compute stream (none for CPU stages).
+  c10::optional<c10::Stream> compute_stream(size_t stage) const { return stages_[stage].compute; }
+
   /// Runs `job` through `forwards` (one per stage). `input` is the caller's
   /// tensor (for the entry event). Throws c10::Error naming stage and item.
   void execute(Job& job, const std::vector<StageForward>& forwards, bool threaded,
