@@ -2,7 +2,7 @@
 """Side-by-side table of mpipe's benchmark (mpipe_bench --json) and the reference
 Python class's (shared/seed/bench_seed.py --json), measured in the same device run.
 
-    python3 bench/compare.py MPIPE_JSON SEED_JSON
+    python3 bench/compare.py MPIPE_JSON SEED_JSON [SEED_SCALING_JSON]
 
 Prints Markdown: per workload, milliseconds (medians) of mpipe, the reference
 class, plain LibTorch (C++, the stages one after another) and the CUDA-graph
@@ -60,11 +60,14 @@ def rows(m, s):
 
 def main():
     m = json.load(open(sys.argv[1]))
-    s = json.load(open(sys.argv[2]))
-    print("| workload | mpipe ms | reference class ms | plain LibTorch ms | CUDA-graph floor ms "
-          "| ref / mpipe | mpipe / plain | target | met |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, kind, mp, ref, plain, floor in rows(m, s):
+    text = open(sys.argv[2]).read()
+    s = json.loads(text) if text.strip() else {}  # /dev/null: no reference figures
+    table = list(rows(m, s))
+    if table:
+        print("| workload | mpipe ms | reference class ms | plain LibTorch ms | CUDA-graph floor ms "
+              "| ref / mpipe | mpipe / plain | target | met |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for name, kind, mp, ref, plain, floor in table:
         speedup, vs_plain = ref / mp, mp / plain
         which, bound = TARGETS[(name, kind.split(",")[0])]
         if which == "speedup_vs_ref":
@@ -74,6 +77,20 @@ def main():
         print(f"| {name} {kind} | {mp:.2f} | {ref:.2f} | {plain:.2f} | "
               f"{'' if floor is None else f'{floor:.2f}'} | {speedup:.2f}x | {vs_plain:.3f} | "
               f"{target} | {'yes' if met else 'NO'} |")
+    scaling = m["workloads"].get("scaling")
+    if scaling:
+        ref = json.load(open(sys.argv[3])) if len(sys.argv) > 3 else {}
+        print()
+        print("| wide-mlp train_step, GPipe | GPUs | micro-batches | ms | samples/s | speed-up "
+              "| ideal m*n/(m+n-1) | of ideal | reference class ms | ref / mpipe |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in scaling:
+            rms = ref.get(f"{r['gpus']}x{r['micro_batches']}")
+            ref_ms = "" if rms is None else f"{rms:.1f}"
+            ratio = "" if rms is None else f"{rms / r['train_ms']:.2f}x"
+            print(f"| | {r['gpus']} | {r['micro_batches']} | {r['train_ms']:.1f} | "
+                  f"{r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['ideal_speedup']:.2f} | "
+                  f"{100 * r['efficiency']:.0f} % | {ref_ms} | {ratio} |")
     mem = m["workloads"].get("memory")
     if mem:
         print()

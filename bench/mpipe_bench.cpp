@@ -317,6 +317,54 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
   return out;
 }
 
+/// Training throughput of wide-mlp's stages on 1, 2 and 4 GPUs (stage s on
+/// cuda:(s * g / 4)) with 8 and 32 micro-batches, GPipe; each row with its
+/// speed-up over one GPU and the ideal m * g / (m + g - 1) of a fill-drain
+/// pipeline over g devices (issue 7). On the CPU, one row per m.
+json scaling_workload(const Timer& timer, const torch::Device& device, int64_t width,
+                      int64_t layers_per_stage, int64_t batch, bool inline_host) {
+  json out = json::array();
+  const int64_t gpus = device.is_cuda() ? mpipe::cuda_device_count() : 1;
+  std::map<int64_t, double> one_gpu_ms;  // by micro-batch count
+  for (int64_t g : {1, 2, 4}) {
+    if (g > gpus) break;
+    for (int64_t m : {8, 32}) {
+      torch::manual_seed(0);
+      mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!inline_host));
+      std::vector<torch::Device> devices;
+      for (int64_t s = 0; s < 4; ++s) {
+        devices.push_back(device.is_cuda()
+                              ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(s * g / 4))
+                              : device);
+        nn::Sequential stage;
+        for (int64_t l = 0; l < layers_per_stage; ++l) {
+          stage->push_back(nn::Linear(width, width));
+          stage->push_back(nn::ReLU());
+        }
+        pipe->append(stage, devices.back());
+      }
+      auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()));
+      auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
+      auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+      const double ms = timer.median_ms([&] {
+        pipe->zero_grad();
+        pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(batch / m));
+      });
+      if (g == 1) one_gpu_ms[m] = ms;
+      json r;
+      r["gpus"] = g;
+      r["micro_batches"] = m;
+      r["train_ms"] = ms;
+      r["samples_per_s"] = static_cast<double>(batch) / ms * 1000.0;
+      r["speedup"] = one_gpu_ms[m] / ms;
+      r["ideal_speedup"] = static_cast<double>(m * g) / static_cast<double>(m + g - 1);
+      r["efficiency"] = r["speedup"].get<double>() / r["ideal_speedup"].get<double>();
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -325,7 +373,9 @@ int main(int argc, char** argv) {
   app.add_option("--reps", cfg.reps, "timed runs per measurement (median)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", cfg.warmup, "untimed runs first");
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--only", cfg.only, "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory");
+  app.add_option("--only", cfg.only,
+                 "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
+                 "scaling (the last only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
   app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
@@ -373,6 +423,13 @@ int main(int argc, char** argv) {
   if (wanted("snn-256")) {
     report("snn-256", small ? snn_workload(timer, device, 32, 8, 64, cfg.inline_host)
                             : snn_workload(timer, device, 256, 64, 64, cfg.inline_host));
+  }
+  // wide-mlp's training throughput on 1, 2 and 4 GPUs: by default only where
+  // there are several.
+  const bool named_scaling = ("," + cfg.only + ",").find(",scaling,") != std::string::npos;
+  if (named_scaling || (cfg.only.empty() && cuda && mpipe::cuda_device_count() >= 2)) {
+    report("scaling", small ? scaling_workload(timer, device, 256, 2, 256, cfg.inline_host)
+                            : scaling_workload(timer, device, 8192, 2, 8192, cfg.inline_host));
   }
   if (wanted("memory") && cuda) {
     // 4 stages x 2 x Linear(4096, 4096), batch 8192 in 16 micro-batches of 512.

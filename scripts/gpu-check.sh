@@ -3,6 +3,7 @@
 # builds mpipe against it and runs the steps named in MPIPE_GPU_STEPS (default:
 # "tests snn"): tests = every ctest test plus the GPU tests verbosely;
 # mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
+# scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench beside the reference class's bench_seed.py (copied to
 # .devdata/seed) and bench/compare.py's table; snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
@@ -50,6 +51,12 @@ if [[ " $steps " == *" bench "* ]]; then
     PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$log"
     python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
   fi
+fi
+if [[ " $steps " == *" scaling "* ]]; then
+  # wide-mlp's training throughput on 1, 2 and 4 GPUs, mpipe and the reference class (issue 7).
+  "$bin/bench/mpipe_bench" --only scaling --json "$out/scaling.json" 2>&1 | tee -a "$log"
+  PYTHONUNBUFFERED=1 python3 bench/seed_scaling.py .devdata/seed --json "$out/seed_scaling.json" 2>&1 | tee -a "$log"
+  python3 bench/compare.py "$out/scaling.json" /dev/null "$out/seed_scaling.json" 2>&1 | tee -a "$out/compare.md"
 fi
 if [[ " $steps " == *" snn "* ]]; then
   # shellcheck disable=SC2086
