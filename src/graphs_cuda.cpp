@@ -48,16 +48,18 @@ namespace detail {
 // (zero_grad() set it to None) -> the static one is zeroed and put back, which
 // equals eager's "first gradient becomes .grad"; another tensor -> its values
 // are copied into the static one, which becomes .grad again. A parameter whose
-// storage was replaced since the capture (data_ptr changed) drops the graph
-// and the step is captured again. The first sight of a key runs the step
-// eagerly on the caller's thread, as the capture will (the warm-up: that
-// thread's cuBLAS handle and workspaces, the allocator), the second captures
-// and replays. A step is captured only when no parameter's AccumulateGrad node is
-// alive from an earlier autograd graph (that node keeps the stream it was
-// made on, possibly the default stream, which a capture cannot wait on);
-// until then steps run eagerly. The step's activations live in the graph's
-// private memory pool between replays: a graphed step keeps its peak memory
-// reserved.
+// storage was replaced since the capture (data_ptr changed), or whose
+// requires_grad flipped, drops the graph, and the step is captured again;
+// parameters the warm-up step gave no gradient get no static .grad. The first
+// sight of a key runs the step eagerly on the caller's thread, as the capture
+// will (the warm-up: that thread's cuBLAS handle and workspaces, the
+// allocator), the second captures and replays. A step is captured only when
+// no parameter's AccumulateGrad node is alive from an earlier autograd graph
+// (that node keeps the stream it was made on, possibly the default stream,
+// which a capture cannot wait on); until then steps run eagerly. The loss
+// function is captured with the rest: the key knows its shapes, not what it
+// computes. The step's activations live in the graph's private memory pool
+// between replays: a graphed step keeps its peak memory reserved.
 
 constexpr size_t kMaxGraphs = 16;
 
@@ -73,10 +75,13 @@ class GraphCache {
     at::Tensor loss;
     std::vector<at::Tensor> params, grads;
     std::vector<const void*> param_ptrs;
+    std::vector<bool> param_requires_grad;
   };
   std::map<std::string, Entry> entries;
   std::map<std::string, StepEntry> steps;
-  std::set<std::string> warmed, failed;
+  /// Keys whose warm-up step ran, with which parameters it gave a gradient.
+  std::map<std::string, std::vector<bool>> warmed;
+  std::set<std::string> failed;
   size_t size() const { return entries.size() + steps.size(); }
 };
 
@@ -159,22 +164,31 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
   c10::cuda::CUDAGuard device_guard(inputs[0].device());
   auto it = cache.steps.find(key);
   if (it != cache.steps.end()) {
-    const auto& ptrs = it->second.param_ptrs;
-    bool moved = ptrs.size() != params.size();
-    for (size_t k = 0; !moved && k < params.size(); ++k) moved = params[k].data_ptr() != ptrs[k];
-    if (moved) {  // a parameter got new storage: capture again
+    const auto& e = it->second;
+    bool moved = e.param_ptrs.size() != params.size();
+    for (size_t k = 0; !moved && k < params.size(); ++k) {
+      moved = params[k].data_ptr() != e.param_ptrs[k] ||
+              params[k].requires_grad() != e.param_requires_grad[k];
+    }
+    if (moved) {  // new storage, or a parameter frozen or unfrozen: capture again
       cache.steps.erase(it);
       it = cache.steps.end();
     }
   }
   if (it == cache.steps.end()) {
     if (cache.failed.count(key) || cache.size() >= kMaxGraphs) return at::Tensor();
-    if (cache.warmed.insert(key).second) {
+    auto warm = cache.warmed.find(key);
+    if (warm == cache.warmed.end()) {
       // First sight: the real step, run eagerly on this thread as the capture
       // will be, so that this thread's library handles (cuBLAS) and
       // workspaces exist before the capture, which must not create them.
-      return step(inputs);
+      at::Tensor loss = step(inputs);
+      std::vector<bool> got;
+      for (const auto& p : params) got.push_back(p.requires_grad() && p.grad().defined());
+      cache.warmed[key] = std::move(got);
+      return loss;
     }
+    const std::vector<bool>& got = warm->second;
     for (const auto& p : params) {
       // A live AccumulateGrad node (an autograd graph of an earlier call still
       // referenced, e.g. by a neuron's state) keeps the stream it was made on,
@@ -186,13 +200,19 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
     }
     GraphCache::StepEntry entry;
     for (const auto& t : inputs) entry.inputs.push_back(t.defined() ? t.clone() : t);
-    for (const auto& p : params) {
+    std::vector<at::Tensor> created;  // .grad tensors made here, undone if the capture fails
+    for (size_t k = 0; k < params.size(); ++k) {
+      const at::Tensor& p = params[k];
       entry.param_ptrs.push_back(p.data_ptr());
-      if (!p.requires_grad()) continue;
+      entry.param_requires_grad.push_back(p.requires_grad());
+      // Parameters the warm-up gave no gradient (unused by the step) keep
+      // theirs untouched, as eager steps do.
+      if (!p.requires_grad() || (k < got.size() && !got[k])) continue;
       at::Tensor g = p.grad();
       if (!g.defined()) {
         g = at::zeros_like(p);
         p.mutable_grad() = g;
+        created.push_back(p);
       }
       entry.params.push_back(p);
       entry.grads.push_back(g);
@@ -204,6 +224,7 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
       capture(*entry.graph, reset, [&] { entry.loss = step(entry.inputs); });
     } catch (...) {
       cache.failed.insert(key);
+      for (auto& p : created) p.mutable_grad() = at::Tensor();
       throw;
     }
     it = cache.steps.emplace(key, std::move(entry)).first;

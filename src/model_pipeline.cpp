@@ -225,19 +225,24 @@ bool ModelPipelineImpl::step_graphable(const at::Tensor& x, const at::Tensor& ta
     return false;  // input gradients leave the graph; recompute restores RNG state
   }
   if (target.defined() && target.device() != x.device()) return false;
-  c10::NoGradGuard no_grad;  // graphable() also refuses while recording a timeline  // graphable()'s rules, apart from grad mode
+  // graphable()'s rules apart from grad mode (it also refuses while a timeline
+  // is recorded).
+  c10::NoGradGuard no_grad;
   return graphable(x);
 }
 
 at::Tensor ModelPipelineImpl::run_step(
     const std::string& key, const at::Tensor& x, const at::Tensor& target,
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
-  if (step_graphable(x, target)) {
+  if (!key.empty() && step_graphable(x, target)) {
     at::Tensor loss = detail::run_graphed_step(
         *graphs_, key, {x, target}, parameters(),
         [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
         [this] { reset_states(*this); });
-    if (loss.defined()) return loss;
+    if (loss.defined()) {
+      reset_states(*this);  // Note [CUDA graphs]: state does not outlive a graphed call
+      return loss;
+    }
   }
   return eager(x, target, options.worker_threads());
 }
@@ -278,8 +283,9 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
     job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
     job.input_requires_grad = input.requires_grad();
-    auto recorder = start_recording("train_step", "micro-batch", job.n_items,
-                                    schedule::bubble(job.programs));
+    auto recorder = start_recording(
+        "train_step", "micro-batch", job.n_items,
+        options.record_timeline() ? schedule::bubble(job.programs) : 0.0);
     job.recorder = recorder.get();
     runtime_->train(job, forwards_, threaded, x, y, params);
     if (recorder) pending_timeline_ = recorder;
@@ -294,8 +300,8 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     ModelPipelineImpl& p;
     ~EndWatch() { p.end_memory_watch("train_step"); }
   } end_watch{*this};
-  std::string key;
-  if (options.cuda_graphs()) {
+  std::string key;  // empty: not graphed (the input's gradient leaves the graph)
+  if (options.cuda_graphs() && !input.requires_grad()) {
     key = c10::str("train_step|", rows, "|", static_cast<int>(step.schedule()), "|",
                    static_cast<int>(step.reduction()), "|", input.sizes(), "|",
                    input.scalar_type(), "|", target.sizes(), "|", target.scalar_type(),
@@ -329,6 +335,17 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     runtime_->execute(job, forwards_, threaded, in);
     if (recorder) pending_timeline_ = recorder;
     const at::Tensor out = gather_items(job, size());
+    struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
+      detail::Runtime& runtime;
+      bool done = false;
+      ~JoinOnError() {
+        if (done) return;
+        try {
+          runtime.join();
+        } catch (...) {  // the first error is the one to report
+        }
+      }
+    } join_on_error{*runtime_};
     at::Tensor loss;
     {
       // The loss and the backward call run on the last stage's stream, as in
@@ -342,6 +359,7 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
       loss = loss.reshape({});
       torch::autograd::backward({loss});
     }
+    join_on_error.done = true;
     runtime_->join();  // the caller's streams wait for the stage streams
     if (const auto last = runtime_->compute_stream(size() - 1)) {
       detail::record_on(loss, detail::current_stream(last->device()));  // used there now
@@ -404,6 +422,7 @@ void ModelPipelineImpl::end_memory_watch(const char* method) {
 }
 
 MemoryReport ModelPipelineImpl::memory_report() const {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   MemoryReport report;
   report.last_call = memory_counters_.empty() ? std::string() : memory_call_;
   auto row = [&](c10::Device d) -> DeviceMemory& {

@@ -65,9 +65,7 @@ void Recorder::end(size_t index, const c10::optional<c10::Stream>& stream) {
   Entry& e = entries_[index];
   if (e.start && event) {
     e.end = std::move(event);
-  } else {  // host clock for both ends
-    if (e.start) e.task.start_ms = now;  // cannot happen: the same stream both times
-    e.start.reset();
+  } else {  // begin() used the host clock too
     e.task.end_ms = now;
   }
 }

@@ -60,7 +60,11 @@ class TaskSpan {
     if (recorder_) index_ = recorder_->begin(stage, item, kind, device, stream);
   }
   ~TaskSpan() {
-    if (recorder_) recorder_->end(index_, stream_);
+    if (!recorder_) return;
+    try {
+      recorder_->end(index_, stream_);
+    } catch (...) {  // unwinding from a stage's error: that error is the one to report
+    }
   }
   TaskSpan(const TaskSpan&) = delete;
   TaskSpan& operator=(const TaskSpan&) = delete;

@@ -31,7 +31,7 @@ double first_start(const Timeline& t) {
   return t.tasks.empty() ? 0.0 : v;
 }
 
-std::string escape(const std::string& s) {  // for JSON strings and XML text alike
+std::string escape(const std::string& s) {  // XML text and attribute values
   std::string out;
   for (char c : s) {
     switch (c) {
@@ -39,8 +39,20 @@ std::string escape(const std::string& s) {  // for JSON strings and XML text ali
       case '&': out += "&amp;"; break;
       case '<': out += "&lt;"; break;
       case '>': out += "&gt;"; break;
-      case '\\': out += "/"; break;
       default: out += (static_cast<unsigned char>(c) < 0x20) ? ' ' : c;
+    }
+  }
+  return out;
+}
+
+std::string json_escape(const std::string& s) {  // inside a JSON string
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else {
+      out += (static_cast<unsigned char>(c) < 0x20) ? ' ' : c;
     }
   }
   return out;
@@ -109,18 +121,18 @@ double Timeline::bubble_fraction() const {
 
 std::string Timeline::to_chrome_trace() const {
   std::ostringstream out;
-  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"method\":\"" << escape(method)
+  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"method\":\"" << json_escape(method)
       << "\",\"stages\":" << n_stages << ",\"items\":" << n_items
       << ",\"makespan_ms\":" << fixed(makespan_ms(), 4)
       << ",\"bubble_measured\":" << fixed(bubble_fraction(), 4)
       << ",\"bubble_schedule\":" << fixed(schedule_bubble, 4) << "},\"traceEvents\":[";
   out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"tid\":0,\"args\":{\"name\":\"mpipe "
-      << escape(method) << "\"}}";
+      << json_escape(method) << "\"}}";
   for (int64_t j = 0; j < n_stages; ++j) {
     const std::string dev =
         j < static_cast<int64_t>(stage_devices.size()) ? stage_devices[j].str() : "?";
     out << ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
-        << ",\"args\":{\"name\":\"stage " << j << " (" << escape(dev) << ")\"}}";
+        << ",\"args\":{\"name\":\"stage " << j << " (" << json_escape(dev) << ")\"}}";
     out << ",{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
         << ",\"args\":{\"sort_index\":" << j << "}}";
   }
@@ -130,8 +142,8 @@ std::string Timeline::to_chrome_trace() const {
         << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << t.stage
         << ",\"ts\":" << fixed((t.start_ms - t0) * 1000.0, 3)
         << ",\"dur\":" << fixed(std::max(0.0, t.end_ms - t.start_ms) * 1000.0, 3)
-        << ",\"args\":{\"stage\":" << t.stage << ",\"" << escape(item_name) << "\":" << t.item
-        << ",\"device\":\"" << escape(t.device.str()) << "\"}}";
+        << ",\"args\":{\"stage\":" << t.stage << ",\"" << json_escape(item_name) << "\":" << t.item
+        << ",\"device\":\"" << json_escape(t.device.str()) << "\"}}";
   }
   out << "]}\n";
   return out.str();

@@ -280,8 +280,13 @@ TEST(Cuda, GraphedTrainStepMatchesEagerSteps_CUDA) {
     auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
     for (int i = 0; i < 3; ++i) {
       auto s = mlp_stage(16, 16);
+      auto c = copy_of(s);
+      if (i == 1) {  // a parameter the step never uses: its .grad must stay None
+        s->register_parameter("unused", torch::zeros({3}));
+        c->register_parameter("unused", torch::zeros({3}));
+      }
       eager->append(s, g);
-      graphed->append(copy_of(s), g);
+      graphed->append(c, g);
     }
     torch::optim::SGD opt_eager(eager->parameters(), 0.1), opt_graphed(graphed->parameters(), 0.1);
     auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& t) {
@@ -303,6 +308,42 @@ TEST(Cuda, GraphedTrainStepMatchesEagerSteps_CUDA) {
     }
     // Step 0 warmed up, step 1 captured; the batch of 9 ran eagerly once.
     EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      EXPECT_FALSE(m->named_parameters()["stages.1.unused"].grad().defined());
+    }
+    // Freezing a stage after the capture: the graph is captured again and the
+    // frozen parameters get no gradient.
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+      for (auto& p : m->named_parameters()) {
+        if (p.key().rfind("stages.0.", 0) == 0) p.value().requires_grad_(false);
+      }
+    }
+    for (int rep = 0; rep < 3; ++rep) {  // warm-up, capture, replay
+      auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+      expect_close(graphed->train_step(x, t, loss_fn, options),
+                   eager->train_step(x, t, loss_fn, options), 1e-5, "frozen stage 0: loss");
+      expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+      EXPECT_FALSE(graphed->named_parameters()["stages.0.0.weight"].grad().defined());
+      for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                      static_cast<torch::nn::Module*>(graphed.get())}) {
+        for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+      }
+    }
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.requires_grad_(true);
+    }
+    // An input that requires grad runs eagerly and gets its gradient.
+    {
+      auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+      auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+      expect_close(graphed->train_step(x1, t, loss_fn, options),
+                   eager->train_step(x2, t, loss_fn, options), 1e-5, "input grad: loss");
+      expect_close(x1.grad(), x2.grad(), 1e-5, "grad of the input");
+    }
     // A .grad the user replaced by another tensor is honoured, too.
     auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
     for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),

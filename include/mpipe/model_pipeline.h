@@ -106,7 +106,9 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// accumulated too. Returns that loss, detached, on the output device.
   /// Optimizer steps stay with the caller. See Note [Training runtime].
   /// With options.cuda_graphs the whole step can be replayed from a CUDA graph
-  /// (Note [Graphed training steps]).
+  /// (Note [Graphed training steps]); the graph holds the loss computation as
+  /// it was captured, so after changing what loss_fn computes for the same
+  /// shapes, call clear_cuda_graphs().
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step);
 
@@ -117,7 +119,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// resets the stateful modules again and returns the loss, detached.
   /// `target` may be undefined if loss_fn ignores it. With options.cuda_graphs
   /// the forward and backward are replayed from one CUDA graph (Note [Graphed
-  /// training steps]).
+  /// training steps]), loss_fn included: see train_step.
   at::Tensor constant_train_step(const at::Tensor& x, int64_t T, const at::Tensor& target,
                                  const LossFunction& loss_fn);
 
@@ -177,7 +179,8 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// input that needs no gradient and no checkpointing.
   bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
   /// Runs a training step: replayed from a CUDA graph when step_graphable, else
-  /// `eager(x, target, worker_threads)`. Holds call_mutex_.
+  /// `eager(x, target, worker_threads)`; an empty key is never graphed. The
+  /// caller holds call_mutex_.
   at::Tensor run_step(const std::string& key, const at::Tensor& x, const at::Tensor& target,
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager);
   /// Runs a call: replayed from a CUDA graph when options.cuda_graphs() allows
@@ -200,7 +203,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   std::vector<c10::Device> devices_;
   std::unique_ptr<detail::Runtime> runtime_;
   std::shared_ptr<detail::GraphCache> graphs_;  // null without CUDA
-  std::mutex call_mutex_;
+  mutable std::mutex call_mutex_;  // one call at a time: stages' state must see calls in order
   std::shared_ptr<detail::Recorder> pending_timeline_;  // the last recorded call
   Timeline timeline_;                                   // ...once resolved
   std::string memory_call_;
@@ -208,7 +211,7 @@ class ModelPipelineImpl : public torch::nn::Module {
     c10::Device device;
     int64_t before, peak;
   };
-  std::vector<MemoryCounters> memory_counters_;  // per CUDA stage device, last call  // one forward at a time: stages' state must see calls in order
+  std::vector<MemoryCounters> memory_counters_;  // per CUDA stage device, last call
 };
 
 /// A holder for ModelPipelineImpl, as torch::nn's modules have.

@@ -82,11 +82,11 @@ std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at::Tensor& v
     scalar_t* ph = h.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        A s, vn, hh;
-        neuron_forward<A>(c, static_cast<A>(px[i]), static_cast<A>(pv[i]), s, vn, hh);
+        ph[i] = static_cast<scalar_t>(neuron_charge<A>(c, static_cast<A>(px[i]), static_cast<A>(pv[i])));
+        A s, vn;
+        neuron_fire<A>(c, static_cast<A>(ph[i]), s, vn);  // from h as stored
         ps[i] = static_cast<scalar_t>(s);
         pn[i] = static_cast<scalar_t>(vn);
-        ph[i] = static_cast<scalar_t>(hh);
       }
     });
   });

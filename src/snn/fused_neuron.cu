@@ -44,11 +44,11 @@ __global__ void forward_kernel(const S* __restrict__ x, const S* __restrict__ v,
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    A s, vn, hh;
-    neuron_forward<A>(c, load(x, i), load(v, i), s, vn, hh);
+    store(h, i, neuron_charge<A>(c, load(x, i), load(v, i)));
+    A s, vn;
+    neuron_fire<A>(c, load(h, i), s, vn);  // from h as stored: backward reads the same
     store(spike, i, s);
     store(v_next, i, vn);
-    store(h, i, hh);
   }
 }
 

@@ -60,18 +60,20 @@ struct NeuronConsts {
 MPIPE_HD inline float neuron_exp(float x) { return expf(x); }
 MPIPE_HD inline double neuron_exp(double x) { return exp(x); }
 
-/// Charge, fire, reset: the same operations, in the same order, as the ATen
-/// path in neuron.cpp, so that float results agree to rounding.
+/// Charge: the same operations, in the same order, as the ATen path in
+/// neuron.cpp, so that float results agree to rounding. Callers round h to
+/// the stored type before neuron_fire, as the ATen path stores it, so that
+/// forward and backward (which reads the stored h) see the same spike.
 template <typename A>
-MPIPE_HD inline void neuron_forward(const NeuronConsts<A>& c, A x, A v, A& spike, A& v_next,
-                                    A& h) {
-  if (c.charge == kChargeIF) {
-    h = v + x;
-  } else if (c.charge == kChargeLIFDecayInput) {
-    h = v + (x - (v - c.vr)) / c.tau;
-  } else {
-    h = v - (v - c.vr) / c.tau + x;
-  }
+MPIPE_HD inline A neuron_charge(const NeuronConsts<A>& c, A x, A v) {
+  if (c.charge == kChargeIF) return v + x;
+  if (c.charge == kChargeLIFDecayInput) return v + (x - (v - c.vr)) / c.tau;
+  return v - (v - c.vr) / c.tau + x;
+}
+
+/// Fire and reset from the charged potential h.
+template <typename A>
+MPIPE_HD inline void neuron_fire(const NeuronConsts<A>& c, A h, A& spike, A& v_next) {
   const bool fire = h - c.thr >= A(0);
   spike = fire ? A(1) : A(0);
   v_next = fire ? (c.hard_reset ? c.vr : h - c.thr) : h;
