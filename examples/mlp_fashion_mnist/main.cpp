@@ -9,6 +9,7 @@
 #include "fashion_mnist.h"
 #include "training.h"
 
+#include <mpipe/balance.h>
 #include <mpipe/mpipe.h>
 
 #include <ATen/Context.h>
@@ -39,21 +40,45 @@ struct Config {
   double dropout = 0.2;
   std::string schedule = "1f1b";
   std::string checkpoint = "never";
+  std::string balance = "none";  // none: the fixed 4-stage split; time or memory: balanced
 };
 
-mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
+mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices,
+                                 const torch::Tensor& sample) {
   namespace nn = torch::nn;
   auto block = [&](int64_t in) {
     return nn::Sequential(nn::Linear(in, cfg.hidden), mpipe::DeferredBatchNorm(cfg.hidden),
                           nn::ReLU(), nn::Dropout(cfg.dropout));
   };
-  nn::Sequential first{nn::Flatten()};
-  first->extend(*block(28 * 28));
   const auto checkpoint = cfg.checkpoint == "always"        ? mpipe::Checkpoint::Always
                           : cfg.checkpoint == "except-last" ? mpipe::Checkpoint::ExceptLast
                                                             : mpipe::Checkpoint::Never;
-  mpipe::ModelPipeline pipe(
-      mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host).checkpoint(checkpoint));
+  const auto options =
+      mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host).checkpoint(checkpoint);
+  if (cfg.balance != "none") {
+    // The same layers as one Sequential, split by measured cost (mpipe/balance.h).
+    nn::Sequential layers{nn::Flatten()};
+    layers->extend(*block(28 * 28));
+    layers->extend(*block(cfg.hidden));
+    layers->extend(*block(cfg.hidden));
+    layers->push_back(nn::Linear(cfg.hidden, 10));
+    layers->to(devices.front());  // profile on the device type the stages run on
+    const auto costs = cfg.balance == "time"
+                           ? mpipe::balance::profile_time(layers, sample)
+                           : mpipe::balance::profile_memory(layers, sample, /*Adam=*/2.0);
+    auto pipe = mpipe::balance::balanced(
+        layers, std::vector<mpipe::DeviceArg>(devices.begin(), devices.end()), costs, options);
+    std::string sizes;
+    for (size_t j = 0; j < pipe->size(); ++j) {
+      const auto stage = std::dynamic_pointer_cast<nn::SequentialImpl>(pipe->stage(j));
+      sizes += (j ? ", " : "") + std::to_string(stage ? stage->size() : 0);
+    }
+    std::printf("balanced by %s: layers per stage [%s]\n", cfg.balance.c_str(), sizes.c_str());
+    return pipe;
+  }
+  nn::Sequential first{nn::Flatten()};
+  first->extend(*block(28 * 28));
+  mpipe::ModelPipeline pipe(options);
   pipe->append(first, devices[0])
       .append(block(cfg.hidden), devices[1])
       .append(block(cfg.hidden), devices[2])
@@ -95,7 +120,7 @@ int run(Config cfg) {
   const double mean = train.images.mean().item<double>(), std = train.images.std().item<double>();
   for (auto* ds : {&train, &test}) ds->images = (ds->images - mean) / std;
 
-  auto pipe = build_model(cfg, devices);
+  auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
   const auto schedule = cfg.schedule == "gpipe" ? mpipe::Schedule::GPipe : mpipe::Schedule::OneFOneB;
   std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s, hidden %lld, %lld train / %lld test "
               "images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s\n",
@@ -162,6 +187,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
   app.add_option("--checkpoint", cfg.checkpoint, "never, except-last or always")
       ->check(CLI::IsMember({"never", "except-last", "always"}));
+  app.add_option("--balance", cfg.balance,
+                 "none (a fixed split), or split the layers into 4 stages by profiled time or "
+                 "memory (with Adam's state)")
+      ->check(CLI::IsMember({"none", "time", "memory"}));
   examples::add_common_flags(app, cfg.common,
                              "a brief run: hidden 256, 6000 train / 2000 test images");
   CLI11_PARSE(app, argc, argv);
