@@ -118,6 +118,9 @@ inline void expect_same_grads(const std::map<std::string, torch::Tensor>& a,
   for (const auto& kv : a) {
     auto it = b.find(kv.first);
     ASSERT_NE(it, b.end()) << kv.first;
+    // No gradient on both sides (an unused or frozen parameter) is the same.
+    EXPECT_EQ(kv.second.defined(), it->second.defined()) << "grad of " << kv.first;
+    if (!kv.second.defined() || !it->second.defined()) continue;
     expect_close(kv.second, it->second, tol, "grad of " + kv.first);
   }
 }
