@@ -119,12 +119,7 @@ at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
                     job.n_items = static_cast<int64_t>(chunks.size());
                     job.micro_batched = true;
                     job.source = [&chunks](int64_t i) { return chunks[static_cast<size_t>(i)]; };
-                    auto recorder = start_recording(
-                        "forward", job.item_name, job.n_items,
-                        schedule::fill_drain_bubble(job.n_items, static_cast<int64_t>(size())));
-                    job.recorder = recorder.get();
-                    runtime_->execute(job, forwards_, threaded, in);
-                    if (recorder) pending_timeline_ = recorder;
+                    execute_job(job, threaded, in);
                     return gather_items(job, size());
                   });
 }
@@ -142,12 +137,7 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
                     job.same_input = true;
                     job.reduce_sum = reduce;
                     job.source = [&in](int64_t) { return in; };
-                    auto recorder = start_recording(
-                        "constant_forward", job.item_name, T,
-                        schedule::fill_drain_bubble(T, static_cast<int64_t>(size())));
-                    job.recorder = recorder.get();
-                    runtime_->execute(job, forwards_, threaded, in);
-                    if (recorder) pending_timeline_ = recorder;
+                    execute_job(job, threaded, in);
                     return gather_items(job, size());
                   });
 }
@@ -163,12 +153,7 @@ at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool red
                     job.reduce_sum = reduce;
                     job.stack_outputs = true;
                     job.source = [&in](int64_t t) { return in.select(0, t); };
-                    auto recorder = start_recording(
-                        "sequence_forward", job.item_name, job.n_items,
-                        schedule::fill_drain_bubble(job.n_items, static_cast<int64_t>(size())));
-                    job.recorder = recorder.get();
-                    runtime_->execute(job, forwards_, threaded, in);
-                    if (recorder) pending_timeline_ = recorder;
+                    execute_job(job, threaded, in);
                     return gather_items(job, size());
                   });
 }
@@ -329,11 +314,7 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     job.same_input = true;
     job.reduce_sum = true;
     job.source = [&in](int64_t) { return in; };
-    auto recorder = start_recording("constant_train_step", job.item_name, T,
-                                    schedule::fill_drain_bubble(T, static_cast<int64_t>(size())));
-    job.recorder = recorder.get();
-    runtime_->execute(job, forwards_, threaded, in);
-    if (recorder) pending_timeline_ = recorder;
+    execute_job(job, threaded, in);
     const at::Tensor out = gather_items(job, size());
     struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
       detail::Runtime& runtime;
@@ -386,6 +367,15 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
   // x keeps its autograd identity (its gradient is accumulated if it requires
   // one); such a step is never graphed.
   return run_step(key, x, target, eager);
+}
+
+void ModelPipelineImpl::execute_job(detail::Job& job, bool threaded, const at::Tensor& input) {
+  auto recorder = start_recording(
+      job.method, job.item_name, job.n_items,
+      schedule::fill_drain_bubble(job.n_items, static_cast<int64_t>(size())));
+  job.recorder = recorder.get();
+  runtime_->execute(job, forwards_, threaded, input);
+  if (recorder) pending_timeline_ = recorder;
 }
 
 std::shared_ptr<detail::Recorder> ModelPipelineImpl::start_recording(

@@ -30,6 +30,7 @@ namespace detail {
 class Runtime;
 class GraphCache;
 class Recorder;
+struct Job;
 /// How the runtime calls a stage: one tensor in, one tensor out.
 using StageForward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -189,6 +190,9 @@ class ModelPipelineImpl : public torch::nn::Module {
   at::Tensor run_call(const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
                       const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
 
+  /// Runs a forward-type job through the runtime, recording its tasks when
+  /// options.record_timeline (fill-drain's bubble as the schedule's).
+  void execute_job(detail::Job& job, bool threaded, const at::Tensor& input);
   /// A recorder for a call of `n_items` items when options.record_timeline,
   /// else null; `schedule_bubble` is the schedule's idle fraction.
   std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
