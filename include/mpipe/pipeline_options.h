@@ -19,12 +19,14 @@ struct ModelPipelineOptions {
   /// backward, with the RNG state of its device restored so dropout draws the
   /// same mask. See Note [Training runtime].
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::Never;
-  /// Capture no-grad forward / constant_forward / sequence_forward calls whose
-  /// stages and input share one CUDA device as CUDA graphs, and replay them
-  /// (one graph per method, arguments and input shape). Stateful modules then
-  /// start every graphed call from their reset state and are reset after it.
-  /// Needs a CUDA build of LibTorch; elsewhere, or when a call does not
-  /// qualify, the call runs as usual. See Note [CUDA graphs].
+  /// Capture no-grad forward / constant_forward / sequence_forward calls, and
+  /// whole training steps (train_step, constant_train_step: forward and
+  /// backward), whose stages and input share one CUDA device as CUDA graphs,
+  /// and replay them (one graph per method, arguments and input shape).
+  /// Stateful modules then start every graphed call from their reset state
+  /// and are reset after it. Needs a CUDA build of LibTorch; elsewhere, or
+  /// when a call does not qualify, the call runs as usual. See Notes [CUDA
+  /// graphs] and [Graphed training steps].
   TORCH_ARG(bool, cuda_graphs) = false;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
