@@ -130,15 +130,7 @@ at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, b
               "must be positive, got ", T);
   return run_call("constant_forward", T, reduce, x,
                   [&](const at::Tensor& in, bool threaded) {
-                    detail::Job job;
-                    job.method = "constant_forward";
-                    job.item_name = "time step";
-                    job.n_items = T;
-                    job.same_input = true;
-                    job.reduce_sum = reduce;
-                    job.source = [&in](int64_t) { return in; };
-                    execute_job(job, threaded, in);
-                    return gather_items(job, size());
+                    return run_constant("constant_forward", in, T, reduce, threaded);
                   });
 }
 
@@ -307,15 +299,7 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
               "mpipe::ModelPipeline::constant_train_step: gradients are off (NoGradGuard or "
               "InferenceMode is active); a training step needs them");
   auto eager = [&](const at::Tensor& in, const at::Tensor& tgt, bool threaded) {
-    detail::Job job;
-    job.method = "constant_train_step";
-    job.item_name = "time step";
-    job.n_items = T;
-    job.same_input = true;
-    job.reduce_sum = true;
-    job.source = [&in](int64_t) { return in; };
-    execute_job(job, threaded, in);
-    const at::Tensor out = gather_items(job, size());
+    const at::Tensor out = run_constant("constant_train_step", in, T, /*reduce=*/true, threaded);
     struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
       detail::Runtime& runtime;
       bool done = false;
@@ -367,6 +351,19 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
   // x keeps its autograd identity (its gradient is accumulated if it requires
   // one); such a step is never graphed.
   return run_step(key, x, target, eager);
+}
+
+at::Tensor ModelPipelineImpl::run_constant(const char* method, const at::Tensor& in, int64_t T,
+                                           bool reduce, bool threaded) {
+  detail::Job job;
+  job.method = method;
+  job.item_name = "time step";
+  job.n_items = T;
+  job.same_input = true;
+  job.reduce_sum = reduce;
+  job.source = [&in](int64_t) { return in; };
+  execute_job(job, threaded, in);
+  return gather_items(job, size());
 }
 
 void ModelPipelineImpl::execute_job(detail::Job& job, bool threaded, const at::Tensor& input) {

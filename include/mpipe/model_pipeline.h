@@ -193,6 +193,10 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// Runs a forward-type job through the runtime, recording its tasks when
   /// options.record_timeline (fill-drain's bubble as the schedule's).
   void execute_job(detail::Job& job, bool threaded, const at::Tensor& input);
+  /// `in` run T times (constant_forward's job, also constant_train_step's):
+  /// the sum of the outputs, or them concatenated time-major.
+  at::Tensor run_constant(const char* method, const at::Tensor& in, int64_t T, bool reduce,
+                          bool threaded);
   /// A recorder for a call of `n_items` items when options.record_timeline,
   /// else null; `schedule_bubble` is the schedule's idle fraction.
   std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
