@@ -6,6 +6,7 @@
 #include "graphs.h"
 #include "recorder.h"
 #include "runtime.h"
+#include "state_snapshot.h"
 #include "streams.h"
 
 #include <ATen/Functions.h>
@@ -45,6 +46,7 @@ ModelPipelineImpl& ModelPipelineImpl::append(torch::nn::AnyModule module,
 ModelPipelineImpl& ModelPipelineImpl::append_stage(std::shared_ptr<torch::nn::Module> module,
                                                    detail::StageForward forward,
                                                    const DeviceArg& device) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   const size_t index = size();
   TORCH_CHECK(module != nullptr, "mpipe::ModelPipeline::append: stage ", index,
               " is a null module");
@@ -62,7 +64,8 @@ ModelPipelineImpl& ModelPipelineImpl::append_stage(std::shared_ptr<torch::nn::Mo
   }
   module->to(resolved);
   runtime_->add_stage(resolved);
-  clear_cuda_graphs();
+  drop_graphs();
+  stateful_.push_back(detail::find_stateful(module));
   stages_->push_back(std::move(module));
   forwards_.push_back(std::move(forward));
   devices_.push_back(resolved);
@@ -158,9 +161,10 @@ bool ModelPipelineImpl::graphable(const at::Tensor& x) const {
   for (const auto& d : devices_) {
     if (d != x.device()) return false;  // one device per graph (at::cuda::CUDAGraph)
   }
-  for (const auto& m : modules(/*include_self=*/false)) {
-    const auto* stateful = dynamic_cast<const Stateful*>(m.get());
-    if (stateful && stateful->holds_state()) return false;
+  for (const auto& stage : stateful_) {
+    for (const auto& m : stage) {
+      if (m.state->holds_state()) return false;
+    }
   }
   return true;
 }
@@ -175,6 +179,7 @@ at::Tensor ModelPipelineImpl::run_call(
     const char* method;
     ~EndWatch() { p.end_memory_watch(method); }
   } end_watch{*this, method};
+  detail::RollbackOnFailure rollback(stateful_);  // Note [State snapshots]
   if (graphable(x)) {
     const std::string key = c10::str(method, "|", arg0, "|", arg1, "|", x.sizes(), "|",
                                      x.scalar_type(), is_training() ? "|train" : "|eval");
@@ -190,7 +195,25 @@ at::Tensor ModelPipelineImpl::run_call(
 }
 
 void ModelPipelineImpl::clear_cuda_graphs() {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  drop_graphs();
+}
+
+void ModelPipelineImpl::drop_graphs() {
   if (graphs_) graphs_ = detail::make_graph_cache();
+}
+
+void ModelPipelineImpl::check_checkpointable(const char* method) const {
+  for (size_t j = 0; j < stateful_.size(); ++j) {
+    for (const auto& m : stateful_[j]) {
+      TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
+                  ": stage ", j, " holds a stateful module without state snapshots: ", m.name,
+                  ". Checkpointing runs a stage again in backward and must start that module "
+                  "from the state its forward saw; implement supports_state_snapshots(), "
+                  "save_state() and load_state() (Note [State snapshots] in mpipe/state.h), "
+                  "or use Checkpoint::Never");
+    }
+  }
 }
 
 size_t ModelPipelineImpl::cuda_graphs_captured() const {
@@ -245,11 +268,18 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
   for (size_t j = 0; j < size(); ++j) params.push_back(stages_->ptr(j)->parameters());
   auto eager = [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
     detail::TrainJob job;
-    job.n_items = (batch + rows - 1) / rows;
+    job.n_items = (batch - 1) / rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     job.input = [&](int64_t i) { return x.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
     job.target = [&](int64_t i) { return y.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
     job.loss = [&](int64_t i, const at::Tensor& out, const at::Tensor& tgt) {
-      at::Tensor loss = loss_fn(out, tgt);
+      at::Tensor loss;
+      try {
+        loss = loss_fn(out, tgt);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "the loss function failed: ", e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "the loss function failed: ", e.what());
+      }
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "the loss function must return one value, got ",
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
@@ -259,6 +289,7 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     };
     job.programs = programs_for(step.schedule(), job.n_items, static_cast<int64_t>(size()));
     job.checkpoint = is_training() ? options.checkpoint() : Checkpoint::Never;
+    job.stateful = &stateful_;
     job.input_requires_grad = input.requires_grad();
     auto recorder = start_recording(
         "train_step", "micro-batch", job.n_items,
@@ -272,11 +303,15 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     return job.loss_sum;
   };
   std::lock_guard<std::mutex> lock(call_mutex_);
+  if (is_training() && options.checkpoint() != Checkpoint::Never) {
+    check_checkpointable("train_step");
+  }
   begin_memory_watch();
   struct EndWatch {
     ModelPipelineImpl& p;
     ~EndWatch() { p.end_memory_watch("train_step"); }
   } end_watch{*this};
+  detail::RollbackOnFailure rollback(stateful_);  // Note [State snapshots]
   std::string key;  // empty: not graphed (the input's gradient leaves the graph)
   if (options.cuda_graphs() && !input.requires_grad()) {
     key = c10::str("train_step|", rows, "|", static_cast<int>(step.schedule()), "|",
@@ -322,7 +357,12 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
                   "value, got ",
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
       loss = loss.reshape({});
-      torch::autograd::backward({loss});
+      try {
+        torch::autograd::backward({loss});
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed: ",
+                    e.what_without_backtrace());
+      }
     }
     join_on_error.done = true;
     runtime_->join();  // the caller's streams wait for the stage streams
@@ -337,6 +377,9 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
     ModelPipelineImpl& p;
     ~EndWatch() { p.end_memory_watch("constant_train_step"); }
   } end_watch{*this};
+  // Declared before ResetAfter, so a failed step ends with the state of its
+  // start, not reset (Note [State snapshots]).
+  detail::RollbackOnFailure rollback(stateful_);
   reset_states(*this);
   struct ResetAfter {  // state does not outlive the step, whatever happens
     torch::nn::Module& m;
@@ -475,8 +518,9 @@ void ModelPipelineImpl::to(torch::Device device, torch::Dtype dtype, bool non_bl
 }
 
 void ModelPipelineImpl::to(torch::Dtype dtype, bool non_blocking) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   torch::nn::Module::to(dtype, non_blocking);
-  clear_cuda_graphs();  // parameters have new storage
+  drop_graphs();  // parameters have new storage
 }
 
 void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
@@ -484,9 +528,10 @@ void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
 }
 
 void ModelPipelineImpl::load(torch::serialize::InputArchive& archive) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
   torch::nn::Module::load(archive);
   for (size_t i = 0; i < size(); ++i) stages_->ptr(i)->to(devices_[i]);
-  clear_cuda_graphs();  // loaded parameters may have new storage
+  drop_graphs();  // loaded parameters may have new storage
 }
 
 void ModelPipelineImpl::pretty_print(std::ostream& stream) const {

@@ -6,6 +6,8 @@
 #include "mpipe/model_pipeline.h"
 #include "mpipe/schedule.h"
 
+#include "state_snapshot.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -173,9 +175,13 @@ struct TrainJob {
   std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&)> loss;
   std::vector<schedule::Program> programs;
   Checkpoint checkpoint = Checkpoint::Never;
+  /// Each stage's Stateful modules: saved before a checkpointed forward and
+  /// loaded around its recompute (Note [State snapshots]).
+  const std::vector<std::vector<StatefulModule>>* stateful = nullptr;
   bool input_requires_grad = false;
   /// Results: the gradient of each micro-batch's input (when the input
-  /// requires grad) and the summed weighted loss, detached.
+  /// requires grad) and the summed weighted loss (summed in micro-batch
+  /// order), detached.
   std::vector<at::Tensor> input_grads;
   at::Tensor loss_sum;
   /// Records every task when the timeline is on (Note [Timeline]); else null.
@@ -219,8 +225,9 @@ class Runtime {
   /// Every stage stream waits for the caller's current stream on its device,
   /// so a call sees all the caller's earlier work (e.g. an optimizer step).
   void fork() const;
-  void train_forward(TrainCall& call, int64_t stage, int64_t item);
-  void train_backward(TrainCall& call, int64_t stage, int64_t item);
+  void train_forward(TrainCall& call, int64_t stage, int64_t item, const char*& phase);
+  /// `phase` names what is running, for the error message of a failure.
+  void train_backward(TrainCall& call, int64_t stage, int64_t item, const char*& phase);
   void run_program(TrainCall& call, int64_t stage);
 
   Handoff run_task(Job& job, const std::vector<StageForward>& forwards, int64_t stage,

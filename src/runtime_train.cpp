@@ -45,9 +45,14 @@ namespace detail {
 // hand on from that stream.
 //
 // Checkpointing: a checkpointed forward runs under NoGradGuard and keeps only
-// its input and the RNG state of its device; its backward runs the stage again
-// (under RecomputeGuard) with that RNG state, then backpropagates. Dropout
-// therefore draws the same mask. Stages that share a device share its
+// its input, the RNG state of its device and the state of the stage's Stateful
+// modules (Note [State snapshots]); its backward runs the stage again (under
+// RecomputeGuard) from that RNG and module state, puts the module state back
+// where it was, then backpropagates. Dropout therefore draws the same mask and
+// a neuron advances once per micro-batch. On the last stage a checkpointed
+// forward skips the loss: the recompute computes it, so loss_fn runs once per
+// micro-batch in every mode. Losses are summed in micro-batch order at the end,
+// so the returned loss does not depend on the schedule. Stages that share a device share its
 // generator, and worker threads would interleave their draws, so while
 // checkpointing is on, every stage forward (and recompute) on a device holds
 // that device's RNG mutex: host work of those stages is serialised, their
@@ -93,6 +98,7 @@ struct Runtime::TrainCall {
     at::Tensor output;     // the backward root: output, or the loss on the last stage
     at::Tensor target;     // last stage, checkpointed: for the recomputed loss
     at::Tensor rng_state;  // checkpointed: the device's RNG state before forward
+    StateSnapshot state_before;  // checkpointed: the stage's module state before forward
     bool checkpointed = false;
   };
   struct Mailbox {
@@ -106,6 +112,7 @@ struct Runtime::TrainCall {
   at::ThreadLocalState tls;
   bool threaded = false;
   std::vector<std::vector<Saved>> saved;  // [stage][micro-batch]
+  std::vector<at::Tensor> losses;         // [micro-batch], written by the last stage
 
   std::mutex mutex;  // guards everything below
   std::vector<Mailbox> mailboxes;
@@ -144,7 +151,7 @@ struct Runtime::TrainCall {
   }
 };
 
-void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
+void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i, const char*& phase) {
   TrainJob& job = *call.job;
   const Stage& stage = stages_[static_cast<size_t>(j)];
   const bool last = j + 1 == static_cast<int64_t>(stages_.size());
@@ -165,6 +172,7 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
     if (job.checkpoint != Checkpoint::Never) rng_lock.lock();
     if (sv.checkpointed) {
       sv.rng_state = rng_state(stage.device);
+      if (job.stateful) sv.state_before = StateSnapshot((*job.stateful)[static_cast<size_t>(j)]);
       c10::NoGradGuard no_grad;
       out = (*call.forwards)[static_cast<size_t>(j)](sv.input);
     } else {
@@ -174,16 +182,13 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
   TORCH_CHECK(out.defined(), "the stage returned an undefined tensor");
   if (last) {
     const at::Tensor target = receive(Handoff{job.target(i), call.target_entry}, j, job.recorder, i);
-    at::Tensor loss;
     if (sv.checkpointed) {
-      c10::NoGradGuard no_grad;
-      loss = job.loss(i, out, target);
-      sv.target = target;
+      sv.target = target;  // the recompute computes the loss
     } else {
-      loss = job.loss(i, out, target);
-      sv.output = loss;
+      phase = "loss of micro-batch";
+      sv.output = job.loss(i, out, target);
+      call.losses[static_cast<size_t>(i)] = sv.output.detach();
     }
-    job.loss_sum = job.loss_sum.defined() ? job.loss_sum + loss.detach() : loss.detach();
     return;
   }
   if (!sv.checkpointed) sv.output = out;
@@ -192,7 +197,7 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i) {
            Handoff{out.detach(), stage.compute ? record_event(*stage.compute) : nullptr});
 }
 
-void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
+void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i, const char*& phase) {
   TrainJob& job = *call.job;
   const Stage& stage = stages_[static_cast<size_t>(j)];
   const bool last = j + 1 == static_cast<int64_t>(stages_.size());
@@ -204,14 +209,35 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
   MicroBatchGuard micro_batch({i, job.n_items});
   at::Tensor root = sv.output;
   if (sv.checkpointed) {
+    phase = "recompute of micro-batch";
     TaskSpan span(job.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
     std::lock_guard<std::mutex> rng_lock(*stage.rng_mutex);
     RngRestore restore(stage.device);
     set_rng_state(stage.device, sv.rng_state);
+    // Run from the module state the forward started from, then put back the
+    // state of now (Note [State snapshots]).
+    struct Reload {
+      StateSnapshot now;
+      ~Reload() {
+        try {
+          now.load();
+        } catch (...) {  // an error already on its way is the one to report
+        }
+      }
+    } reload{sv.state_before.empty() ? StateSnapshot()
+                                     : StateSnapshot((*job.stateful)[static_cast<size_t>(j)])};
+    sv.state_before.load();
     RecomputeGuard recompute;
     at::Tensor out = (*call.forwards)[static_cast<size_t>(j)](sv.input);
-    root = last ? job.loss(i, out, sv.target) : out;
+    if (last) {
+      phase = "loss of micro-batch";
+      root = job.loss(i, out, sv.target);
+      call.losses[static_cast<size_t>(i)] = root.detach();
+    } else {
+      root = out;
+    }
   }
+  phase = "backward of micro-batch";
   c10::optional<TaskSpan> span;  // ends before the hand-off, as in train_forward
   span.emplace(job.recorder, j, i, TaskKind::Backward, stage.device, stage.compute);
   if (root.requires_grad()) {
@@ -236,19 +262,18 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i) {
 void Runtime::run_program(TrainCall& call, int64_t j) {
   for (const schedule::Op& op : call.job->programs[static_cast<size_t>(j)]) {
     const bool forward = op.kind == schedule::OpKind::Forward;
+    const char* phase = forward ? "forward of micro-batch" : "backward of micro-batch";
     try {
       at::ThreadLocalStateGuard tls_guard(call.tls);
       if (forward) {
-        train_forward(call, j, op.micro_batch);
+        train_forward(call, j, op.micro_batch, phase);
       } else {
-        train_backward(call, j, op.micro_batch);
+        train_backward(call, j, op.micro_batch, phase);
       }
     } catch (const Aborted&) {
       return;
     } catch (...) {
-      call.fail(describe_failure("train_step",
-                                 forward ? "forward of micro-batch" : "backward of micro-batch",
-                                 call.job->n_items, j, op.micro_batch));
+      call.fail(describe_failure("train_step", phase, call.job->n_items, j, op.micro_batch));
       return;
     }
   }
@@ -271,6 +296,7 @@ void Runtime::train(TrainJob& job, const std::vector<StageForward>& forwards, bo
   call->saved.assign(static_cast<size_t>(n_stages),
                      std::vector<TrainCall::Saved>(static_cast<size_t>(job.n_items)));
   call->mailboxes = std::vector<TrainCall::Mailbox>(static_cast<size_t>(n_stages));
+  call->losses.assign(static_cast<size_t>(job.n_items), at::Tensor());
   if (!input.device().is_cpu()) call->input_entry = record_event(current_stream(input.device()));
   if (!target.device().is_cpu()) call->target_entry = record_event(current_stream(target.device()));
   fork();
@@ -292,16 +318,15 @@ void Runtime::train(TrainJob& job, const std::vector<StageForward>& forwards, bo
       for (const auto& t : tick) {
         at::ThreadLocalStateGuard tls_guard(call->tls);
         const bool forward = t.op.kind == schedule::OpKind::Forward;
+        const char* phase = forward ? "forward of micro-batch" : "backward of micro-batch";
         try {
           if (forward) {
-            train_forward(*call, t.stage, t.op.micro_batch);
+            train_forward(*call, t.stage, t.op.micro_batch, phase);
           } else {
-            train_backward(*call, t.stage, t.op.micro_batch);
+            train_backward(*call, t.stage, t.op.micro_batch, phase);
           }
         } catch (...) {
-          call->fail(describe_failure("train_step",
-                                      forward ? "forward of micro-batch" : "backward of micro-batch",
-                                      job.n_items, t.stage, t.op.micro_batch));
+          call->fail(describe_failure("train_step", phase, job.n_items, t.stage, t.op.micro_batch));
           break;
         }
       }
@@ -309,6 +334,12 @@ void Runtime::train(TrainJob& job, const std::vector<StageForward>& forwards, bo
     }
   }
 
+  if (!call->error) {  // the step's loss, on the last stage's stream
+    c10::OptionalStreamGuard last_stage(stages_.back().compute);
+    for (const auto& loss : call->losses) {
+      job.loss_sum = job.loss_sum.defined() ? job.loss_sum + loss : loss;
+    }
+  }
   join();
   call->saved.clear();  // a failed step leaves activations behind: drop them
   if (call->error) std::rethrow_exception(call->error);

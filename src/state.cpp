@@ -1,6 +1,8 @@
 #include "mpipe/checkpoint.h"
 #include "mpipe/state.h"
 
+#include <c10/util/Exception.h>
+
 namespace mpipe {
 
 namespace {
@@ -19,6 +21,16 @@ MicroBatchGuard::MicroBatchGuard(MicroBatch micro_batch) noexcept : previous_(cu
 }
 
 MicroBatchGuard::~MicroBatchGuard() { current = previous_; }
+
+std::any Stateful::save_state() const {
+  TORCH_CHECK(false, "mpipe::Stateful::save_state: this module does not support state "
+              "snapshots (override supports_state_snapshots, save_state and load_state)");
+}
+
+void Stateful::load_state(const std::any& /*state*/) {
+  TORCH_CHECK(false, "mpipe::Stateful::load_state: this module does not support state "
+              "snapshots (override supports_state_snapshots, save_state and load_state)");
+}
 
 int64_t reset_states(torch::nn::Module& module) {
   int64_t n = 0;

@@ -47,10 +47,16 @@ struct LeakyImpl : torch::nn::Module, mpipe::Stateful {
     return torch::tanh(v);
   }
   void reset_state() override { state.clear(); }
+  // forward assigns a new tensor to the slot, so the slots' handles are a
+  // snapshot (Note [State snapshots]).
+  bool supports_state_snapshots() const override { return snapshots; }
+  std::any save_state() const override { return state.save(); }
+  void load_state(const std::any& s) override { state.load(s); }
   torch::nn::Linear fc{nullptr};
   double decay;
   mpipe::PerMicroBatch<torch::Tensor> state;
   int64_t calls = 0;
+  bool snapshots = true;  // false: a user module that cannot save its state
 };
 TORCH_MODULE(Leaky);
 

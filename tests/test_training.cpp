@@ -310,7 +310,7 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
                                             return o;  // not a scalar
                                           },
                                           TrainStepOptions(2).schedule(schedule)),
-                         "train_step", "stage 1", "forward of micro-batch 0 of 2",
+                         "train_step", "stage 1", "loss of micro-batch 0 of 2",
                          "must return one value", "[2, 2]");
       // A stage that fails in backward.
       MPIPE_EXPECT_ERROR(
@@ -412,7 +412,7 @@ TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
   // Stage 1 fails at its 4th call (the step above made 2): time step 1 of 3.
   MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 3, torch::Tensor(), mean),
                      "constant_train_step", "stage 1", "time step 1 of 3", "planted failure");
-  EXPECT_TRUE(a->state.slots().empty()) << "state is reset after a failed step";
+  EXPECT_TRUE(a->state.slots().empty()) << "a failed step leaves the state of its start";
   auto loss = pipe->constant_train_step(x, 3, torch::Tensor(), mean);
   EXPECT_TRUE(std::isfinite(loss.item<double>()));
 }

@@ -7,16 +7,27 @@
 // but the running statistics are also updated once per micro-batch, so they
 // drift from what the unsplit model would track. DeferredBatchNorm normalises
 // each micro-batch with its own statistics like BatchNorm, but accumulates the
-// per-channel sums over the micro-batches of a call and updates running_mean
-// and running_var once, at the last micro-batch (current_micro_batch()), with
-// the whole batch's mean and unbiased variance: the running statistics equal
-// the unsplit model's. A recomputation for checkpointing (is_recomputing())
-// adds nothing. In eval mode it normalises with the running statistics. Input:
-// [N, C, ...] with C = num_features (like BatchNorm1d/2d/3d).
+// per-channel statistics over the micro-batches of a call and updates
+// running_mean and running_var once, at the last micro-batch
+// (current_micro_batch()), with the whole batch's mean and unbiased variance:
+// the running statistics equal the unsplit model's. The per-micro-batch means
+// and sums of squared deviations are combined in double precision (Chan et
+// al.'s pairwise update), so the variance stays exact when the data's mean is
+// large against its spread (E[x^2] - mean^2 in float would not).
+//
+// The partial statistics are state (mpipe::Stateful, Note [State snapshots]):
+// a checkpointed recompute starts from, and leaves, the state of the original
+// forward, so nothing is counted twice; a failed pipeline call loads the
+// state of its start back, running statistics included, so it commits
+// nothing; reset_state() drops partial statistics (never the running ones).
+// In eval mode it normalises with the running statistics. Input: [N, C, ...]
+// with C = num_features (like BatchNorm1d/2d/3d).
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
+
+#include <mpipe/state.h>
 
 #include <ostream>
 
@@ -30,12 +41,20 @@ struct DeferredBatchNormOptions {
   TORCH_ARG(bool, affine) = true;
 };
 
-class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl> {
+class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>,
+                              public Stateful {
  public:
   explicit DeferredBatchNormImpl(DeferredBatchNormOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
   void pretty_print(std::ostream& stream) const override;
+
+  /// Partial statistics of a call in progress (Note [State snapshots]).
+  void reset_state() override;
+  bool holds_state() const override { return count_ > 0; }
+  bool supports_state_snapshots() const override { return true; }
+  std::any save_state() const override;
+  void load_state(const std::any& state) override;
 
   DeferredBatchNormOptions options;
   at::Tensor weight, bias;                                     // if affine
@@ -43,7 +62,7 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
 
  private:
   void commit();
-  at::Tensor sum_, sum_squares_;
+  at::Tensor mean_, m2_;  // double: mean and sum of squared deviations so far
   int64_t count_ = 0;
 };
 TORCH_MODULE(DeferredBatchNorm);

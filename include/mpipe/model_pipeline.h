@@ -31,6 +31,7 @@ class Runtime;
 class GraphCache;
 class Recorder;
 struct Job;
+struct StatefulModule;
 /// How the runtime calls a stage: one tensor in, one tensor out.
 using StageForward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -54,7 +55,9 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// `device` (see DeviceArg for the accepted spellings). `module` is any module
   /// whose forward takes and returns one tensor: a holder such as
   /// torch::nn::Sequential or torch::nn::Linear, a std::shared_ptr to one, or an
-  /// AnyModule. The stage is registered as submodule "stages.<index>".
+  /// AnyModule. The stage is registered as submodule "stages.<index>". Its
+  /// mpipe::Stateful modules are found now (Note [State snapshots]): register
+  /// them before appending the stage.
   template <typename ModuleType>
   ModelPipelineImpl& append(std::shared_ptr<ModuleType> module, const DeviceArg& device) {
     static_assert(std::is_base_of<torch::nn::Module, ModuleType>::value,
@@ -151,7 +154,8 @@ class ModelPipelineImpl : public torch::nn::Module {
   void load(torch::serialize::InputArchive& archive) override;
   /// Drops captured CUDA graphs (Note [CUDA graphs]); call it after replacing
   /// a stage's parameter or buffer tensors by hand (in-place updates, such as
-  /// an optimizer's, need nothing).
+  /// an optimizer's, need nothing). Waits for a call in progress, as do
+  /// append, to and load.
   void clear_cuda_graphs();
   /// How many calls are held as CUDA graphs now (0 without CUDA).
   size_t cuda_graphs_captured() const;
@@ -173,6 +177,11 @@ class ModelPipelineImpl : public torch::nn::Module {
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
   void check_runnable(const char* method, const at::Tensor& x, bool time_major = false) const;
+  /// clear_cuda_graphs with call_mutex_ held.
+  void drop_graphs();
+  /// Refuses checkpointing when a stage holds a Stateful module without state
+  /// snapshots (Note [State snapshots]).
+  void check_checkpointable(const char* method) const;
   void check_placement_kept(c10::Device device, const char* what) const;
   bool graphable(const at::Tensor& x) const;
   /// Whether a training step on (x, target) may be graphed (Note [Graphed
@@ -209,6 +218,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   torch::nn::ModuleList stages_;
   std::vector<detail::StageForward> forwards_;
   std::vector<c10::Device> devices_;
+  std::vector<std::vector<detail::StatefulModule>> stateful_;  // per stage
   std::unique_ptr<detail::Runtime> runtime_;
   std::shared_ptr<detail::GraphCache> graphs_;  // null without CUDA
   mutable std::mutex call_mutex_;  // one call at a time: stages' state must see calls in order

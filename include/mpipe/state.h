@@ -21,9 +21,34 @@
 // Modules that hold state derive from mpipe::Stateful as well as from
 // torch::nn::Module and implement reset_state(); reset_states(module) resets
 // every such module in a tree (a pipeline included).
+//
+// Note [State snapshots]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Two things need to put a module's state back where it was:
+//  - activation checkpointing: a checkpointed stage runs again in backward.
+//    The recompute must start from the state the original forward started
+//    from, and the state must end where the original forward left it, or a
+//    neuron would advance twice and the gradients would be wrong. The runtime
+//    saves the state of every Stateful module of the stage before a
+//    checkpointed forward, loads it for the recompute and loads the state of
+//    the time of the recompute again after it;
+//  - failed calls: a pipeline call saves every Stateful module's state when it
+//    starts and loads it back when the call throws, so a failed call leaves
+//    membrane potentials, DeferredBatchNorm's statistics and users' state as
+//    they were before it.
+// A module opts in by returning true from supports_state_snapshots() and
+// implementing save_state() / load_state(). save_state() returns the whole
+// state (every micro-batch's) as a value that later forward calls must not
+// change: copying tensors' handles is enough when forward assigns new tensors
+// (v = f(v, x)), a module that updates tensors in place must clone them.
+// PerMicroBatch::save()/load() do this for the common case. Checkpointing a
+// stage that holds a Stateful module without snapshots is refused with an
+// error; after a failed call such a module is left where the failure stopped
+// it (reset it with reset_states).
 
 #include <torch/nn/module.h>
 
+#include <any>
 #include <cstdint>
 #include <vector>
 
@@ -65,6 +90,11 @@ class PerMicroBatch {
     return slots_[static_cast<size_t>(mb.index)];
   }
   void clear() { slots_.clear(); }
+  /// Every slot, for Stateful::save_state (a copy of the vector: tensors share
+  /// their storage, right when forward assigns new tensors to the slots).
+  std::any save() const { return slots_; }
+  /// Puts back what save() returned.
+  void load(const std::any& saved) { slots_ = std::any_cast<const std::vector<T>&>(saved); }
   std::vector<T>& slots() { return slots_; }
   const std::vector<T>& slots() const { return slots_; }
 
@@ -81,6 +111,13 @@ class Stateful {
   /// Whether the module holds state now (false right after reset_state()).
   /// The default, true, is the safe answer for modules that cannot tell.
   virtual bool holds_state() const { return true; }
+  /// Whether save_state() and load_state() work (Note [State snapshots]);
+  /// checkpointing a stage that holds this module needs them.
+  virtual bool supports_state_snapshots() const { return false; }
+  /// The whole state, as a value later calls of forward do not change.
+  virtual std::any save_state() const;
+  /// Puts back a state that save_state() returned.
+  virtual void load_state(const std::any& state);
 };
 
 /// Calls reset_state() on every module in `module`'s tree (itself included)

@@ -60,6 +60,10 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   at::Tensor forward(const at::Tensor& x);
   void reset_state() override { v_.clear(); }
   bool holds_state() const override { return !v_.slots().empty(); }
+  /// Snapshots for checkpointing and failed calls (Note [State snapshots]).
+  bool supports_state_snapshots() const override { return true; }
+  std::any save_state() const override { return v_.save(); }
+  void load_state(const std::any& state) override { v_.load(state); }
   /// Membrane potentials, one per micro-batch seen since the last reset.
   const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds the CPU test suite with sanitizers and runs it through ctest:
+#   asan  AddressSanitizer + UndefinedBehaviorSanitizer (into build-asan)
+#   tsan  ThreadSanitizer, for the threaded runtime (into build-tsan)
+# Usage: bash scripts/sanitize.sh [asan] [tsan]      (both when none is named)
+# Any report fails the run. LibTorch itself is not instrumented; the few
+# suppressions, each justified, are in scripts/sanitizers/ (docs/RELIABILITY.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-debian.sh
+
+modes=("$@")
+[ ${#modes[@]} -eq 0 ] && modes=(asan tsan)
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+supp="$PWD/scripts/sanitizers"
+
+for mode in "${modes[@]}"; do
+  case "$mode" in
+    asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" ;;
+    tsan) flags="-fsanitize=thread" ;;
+    *) echo "sanitize.sh: unknown mode '$mode' (asan or tsan)" >&2; exit 2 ;;
+  esac
+  build="build-$mode"
+  echo "== $mode: building into $build"
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+    -DMPIPE_BUILD_EXAMPLES=OFF -DMPIPE_BUILD_BENCH=OFF \
+    -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
+    -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+  cmake --build "$build" -j "$(nproc)" --target mpipe_tests
+  echo "== $mode: running the tests"
+  (
+    cd "$build"
+    # libgomp (ATen's intra-op threads) is not instrumented: its barriers
+    # would look like races to TSan. One OpenMP thread keeps ATen's kernels on
+    # the calling thread; mpipe's own threads are what is under test.
+    export OMP_NUM_THREADS=1
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_init_order=1:detect_stack_use_after_return=1:suppressions=$supp/asan.supp"
+    export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+    ctest --output-on-failure -j "$(nproc)" -E '^consumer\.' --timeout 1200
+  )
+  echo "== $mode: clean"
+done
