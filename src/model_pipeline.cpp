@@ -2,6 +2,7 @@
 #include "mpipe/schedule.h"
 #include "mpipe/state.h"
 
+#include "backward_positions.h"
 #include "device_probe.h"
 #include "graphs.h"
 #include "recorder.h"
@@ -334,7 +335,9 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
               "mpipe::ModelPipeline::constant_train_step: gradients are off (NoGradGuard or "
               "InferenceMode is active); a training step needs them");
   auto eager = [&](const at::Tensor& in, const at::Tensor& tgt, bool threaded) {
-    const at::Tensor out = run_constant("constant_train_step", in, T, /*reduce=*/true, threaded);
+    detail::BackwardPositions positions(in);  // Note [Backward positions]
+    const at::Tensor out =
+        run_constant("constant_train_step", in, T, /*reduce=*/true, threaded, &positions);
     struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
       detail::Runtime& runtime;
       bool done = false;
@@ -357,11 +360,22 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
                   "value, got ",
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
       loss = loss.reshape({});
+      std::string failure;
       try {
         torch::autograd::backward({loss});
       } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed: ",
-                    e.what_without_backtrace());
+        failure = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty()) {
+        const auto position = positions.last();
+        TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
+                    position.first, " (on ", devices_[static_cast<size_t>(position.first)],
+                    ") failed at backward of time step ", position.second, " of ", T, ": ",
+                    failure);
+        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
+                    "before reaching a stage (in the loss's backward): ", failure);
       }
     }
     join_on_error.done = true;
@@ -397,7 +411,8 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
 }
 
 at::Tensor ModelPipelineImpl::run_constant(const char* method, const at::Tensor& in, int64_t T,
-                                           bool reduce, bool threaded) {
+                                           bool reduce, bool threaded,
+                                           detail::BackwardPositions* positions) {
   detail::Job job;
   job.method = method;
   job.item_name = "time step";
@@ -405,6 +420,7 @@ at::Tensor ModelPipelineImpl::run_constant(const char* method, const at::Tensor&
   job.same_input = true;
   job.reduce_sum = reduce;
   job.source = [&in](int64_t) { return in; };
+  job.backward_positions = positions;
   execute_job(job, threaded, in);
   return gather_items(job, size());
 }

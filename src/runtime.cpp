@@ -1,5 +1,6 @@
 #include "runtime.h"
 
+#include "backward_positions.h"
 #include "recorder.h"
 
 #include "streams.h"
@@ -109,6 +110,7 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
   span.emplace(job.recorder, stage_index, item, TaskKind::Forward, stage.device, stage.compute);
   at::Tensor output = forwards[stage_index](input);
   TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
+  if (job.backward_positions) job.backward_positions->tag(stage_index, item, output);
   if (last) {
     if (!job.reduce_sum) {
       job.outputs[item] = output;

@@ -24,7 +24,8 @@
 namespace mpipe {
 namespace detail {
 
-class Recorder;  // recorder.h
+class Recorder;           // recorder.h
+class BackwardPositions;  // backward_positions.h
 
 // Note [Pipeline runtime]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -162,6 +163,8 @@ struct Job {
   at::Tensor received_input;
   /// Records every task when the timeline is on (Note [Timeline]); else null.
   Recorder* recorder = nullptr;
+  /// Tags each stage call's autograd nodes (Note [Backward positions]); else null.
+  BackwardPositions* backward_positions = nullptr;
 };
 
 /// One training step's work (ModelPipelineImpl::train_step).

@@ -552,8 +552,9 @@ TEST(FaultInjection, EveryStagePositionAndPhase) {
               const std::string position = item + std::to_string(at) + " of " +
                                            std::to_string(kind.n_items);
               if (kind.name == "constant_train_step" && phase == Phase::Backward) {
-                MPIPE_EXPECT_ERROR(kind.run(pipe), "constant_train_step", "backward",
-                                   "planted fault");
+                MPIPE_EXPECT_ERROR(kind.run(pipe), "constant_train_step",
+                                   "stage " + std::to_string(stage),
+                                   "backward of " + position, "planted fault");
               } else if (kind.has_backward && kind.name != "constant_train_step") {
                 MPIPE_EXPECT_ERROR(kind.run(pipe), "stage " + std::to_string(stage),
                                    std::string(phase_name(phase)) + " of " + position,

@@ -32,6 +32,7 @@ class GraphCache;
 class Recorder;
 struct Job;
 struct StatefulModule;
+class BackwardPositions;
 /// How the runtime calls a stage: one tensor in, one tensor out.
 using StageForward = std::function<at::Tensor(const at::Tensor&)>;
 
@@ -205,7 +206,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// `in` run T times (constant_forward's job, also constant_train_step's):
   /// the sum of the outputs, or them concatenated time-major.
   at::Tensor run_constant(const char* method, const at::Tensor& in, int64_t T, bool reduce,
-                          bool threaded);
+                          bool threaded, detail::BackwardPositions* positions = nullptr);
   /// A recorder for a call of `n_items` items when options.record_timeline,
   /// else null; `schedule_bubble` is the schedule's idle fraction.
   std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
