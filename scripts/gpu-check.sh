@@ -5,7 +5,8 @@
 # mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench beside the reference class's bench_seed.py (copied to
-# .devdata/seed) and bench/compare.py's table; snn = the Fashion-MNIST SNN
+# .devdata/seed) and bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
+# snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
 # (few files, since a device call brings back at most 8), plus the benchmark's
@@ -57,6 +58,12 @@ if [[ " $steps " == *" scaling "* ]]; then
   "$bin/bench/mpipe_bench" --only scaling --json "$out/scaling.json" 2>&1 | tee -a "$log"
   PYTHONUNBUFFERED=1 python3 bench/seed_scaling.py .devdata/seed --json "$out/seed_scaling.json" 2>&1 | tee -a "$log"
   python3 bench/compare.py "$out/scaling.json" /dev/null "$out/seed_scaling.json" 2>&1 | tee -a "$out/compare.md"
+fi
+if [[ " $steps " == *" soak "* ]]; then
+  # Memory and threads over many calls (docs/RELIABILITY.md); extra flags in MPIPE_SOAK_ARGS.
+  # shellcheck disable=SC2086
+  timeout "${MPIPE_SOAK_TIMEOUT:-400}" "$bin/bench/mpipe_soak" --json "$out/soak_gpu.json" \
+    ${MPIPE_SOAK_ARGS:-} 2>&1 | tee -a "$log"
 fi
 if [[ " $steps " == *" snn "* ]]; then
   # shellcheck disable=SC2086

@@ -108,6 +108,22 @@ at::Tensor gather_items(const detail::Job& job, size_t n_stages) {
   return at::cat(job.outputs, 0);
 }
 
+/// loss_fn(out, target), its errors marked as the loss function's (and as
+/// `method`'s, when the runtime does not name the call itself).
+at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out, const at::Tensor& target,
+                     const char* method = nullptr) {
+  std::string what;
+  try {
+    return loss_fn(out, target);
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  TORCH_CHECK(false, method ? c10::str("mpipe::ModelPipeline::", method, ": ") : std::string(),
+              "the loss function failed: ", what);
+}
+
 }  // namespace
 
 at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
@@ -273,14 +289,7 @@ at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tens
     job.input = [&](int64_t i) { return x.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
     job.target = [&](int64_t i) { return y.narrow(0, i * rows, std::min(rows, batch - i * rows)); };
     job.loss = [&](int64_t i, const at::Tensor& out, const at::Tensor& tgt) {
-      at::Tensor loss;
-      try {
-        loss = loss_fn(out, tgt);
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "the loss function failed: ", e.what_without_backtrace());
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "the loss function failed: ", e.what());
-      }
+      at::Tensor loss = call_loss(loss_fn, out, tgt);
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "the loss function must return one value, got ",
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
@@ -354,7 +363,7 @@ at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T
       // The loss and the backward call run on the last stage's stream, as in
       // train_step; the caller's stream waits for them below.
       c10::OptionalStreamGuard last_stage(runtime_->compute_stream(size() - 1));
-      loss = loss_fn(out, tgt);
+      loss = call_loss(loss_fn, out, tgt, "constant_train_step");
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
                   "value, got ",
