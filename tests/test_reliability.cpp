@@ -582,3 +582,68 @@ TEST(FaultInjection, EveryStagePositionAndPhase) {
   EXPECT_GT(cases, 300);
   std::printf("fault injection: %d cases\n", cases);
 }
+
+// Graphed calls run user code only in their warm-up (first sight of a shape)
+// and capture (second sight); a replay cannot fail in a stage. A fault in the
+// warm-up or the capture is named like an eager one, and later calls (eager
+// or replayed) equal those of a pipeline that never used graphs.
+TEST(FaultInjection, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  Watchdog watchdog(std::chrono::seconds(120));
+  auto make = [&](bool graphs, std::vector<Fault>& faults) {
+    torch::manual_seed(7);
+    faults = {Fault(8), Fault(8), Fault(8)};
+    ModelPipeline p(ModelPipelineOptions().cuda_graphs(graphs));
+    for (auto& f : faults) p->append(f, g);
+    return p;
+  };
+  torch::manual_seed(8);
+  const auto x = torch::randn({8, 8}, g), y = torch::randn({8, 8}, g);
+  int cases = 0;
+  for (bool train : {false, true}) {
+    const std::vector<Phase> phases =
+        train ? std::vector<Phase>{Phase::Forward, Phase::Backward} : std::vector<Phase>{Phase::Forward};
+    for (int sight : {0, 1}) {
+      for (int64_t stage = 0; stage < 3; ++stage) {
+        for (int64_t at : {0, 3}) {
+          for (Phase phase : phases) {
+            const std::string what = std::string(train ? "train_step" : "forward") + ", sight " +
+                                     std::to_string(sight) + ", stage " + std::to_string(stage) +
+                                     ", " + phase_name(phase) + " at " + std::to_string(at);
+            SCOPED_TRACE(what);
+            watchdog.kick(what);
+            ++cases;
+            std::vector<Fault> fg, fe;
+            auto graphed = make(true, fg);
+            auto eager = make(false, fe);
+            auto call = [&](ModelPipeline& p) {
+              if (train) return p->train_step(x, y, mse, TrainStepOptions(2));
+              torch::NoGradGuard no_grad;
+              return p->forward(x, 2);
+            };
+            for (int i = 0; i < sight; ++i) {
+              call(graphed);
+              call(eager);
+            }
+            fg[static_cast<size_t>(stage)]->phase = phase;
+            fg[static_cast<size_t>(stage)]->at = at;
+            const std::string position = "micro-batch " + std::to_string(at) + " of 4";
+            MPIPE_EXPECT_ERROR(call(graphed), "stage " + std::to_string(stage),
+                               train ? std::string(phase_name(phase)) + " of " + position : position,
+                               "planted fault");
+            fg[static_cast<size_t>(stage)]->phase = Phase::None;
+            for (int i = 0; i < 3; ++i) {
+              zero_grads(*graphed);
+              zero_grads(*eager);
+              expect_close(call(graphed), call(eager), 1e-5, "call " + std::to_string(i) + " after");
+              expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+            }
+            if (::testing::Test::HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+  std::printf("graphed fault injection: %d cases\n", cases);
+}
