@@ -70,7 +70,7 @@ Figures measure(int64_t calls, const torch::Device& device) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     f.allocator_mib =
         static_cast<double>(
-            stats.allocated_bytes[static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE)]
+            stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
                 .current) /
         1048576.0;
   }
