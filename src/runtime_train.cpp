@@ -52,10 +52,10 @@ namespace detail {
 // a neuron advances once per micro-batch. On the last stage a checkpointed
 // forward skips the loss: the recompute computes it, so loss_fn runs once per
 // micro-batch in every mode. Losses are summed in micro-batch order at the end,
-// so the returned loss does not depend on the schedule. Stages that share a device share its
-// generator, and worker threads would interleave their draws, so while
-// checkpointing is on, every stage forward (and recompute) on a device holds
-// that device's RNG mutex: host work of those stages is serialised, their
+// so the returned loss does not depend on the schedule. Stages that share a
+// device share its generator, and worker threads would interleave their draws,
+// so while checkpointing is on, every stage forward (and recompute) on a device
+// holds that device's RNG mutex: host work of those stages is serialised, their
 // kernels still overlap on the GPU. Nothing is checkpointed in eval mode.
 //
 // After the step, the caller's streams wait for every stage stream (join) and
