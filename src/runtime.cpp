@@ -23,8 +23,18 @@ namespace mpipe {
 namespace detail {
 
 
-/// State shared by one threaded call's tasks; tasks hold it by shared_ptr so it
-/// outlives the last of them however the caller returns.
+// Note [Call ownership]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The state of a threaded call (its error included) is shared by the caller
+// and the tasks in flight, by shared_ptr. Each item holds one reference, which
+// moves from task to task, and a worker drops its reference *before* it tells
+// the caller that it is done; the caller holds its own until it has seen every
+// item done. So the call's state, and the c10::Error in it, always die on the
+// caller's thread, never on a worker after the caller has moved on (ThreadSanitizer
+// could not order such a destruction: the exception's reference count lives in
+// uninstrumented libstdc++). The training runtime does the same.
+
+/// State shared by one threaded call's tasks (Note [Call ownership]).
 struct Runtime::Call {
   Job* job;
   const std::vector<StageForward>* forwards;
@@ -167,8 +177,7 @@ std::exception_ptr Runtime::describe_failure(const char* method, const std::stri
   return nullptr;  // unreachable
 }
 
-void Runtime::task(const std::shared_ptr<Call>& call, int64_t stage_index, int64_t item,
-                   Handoff in) {
+void Runtime::task(std::shared_ptr<Call> call, int64_t stage_index, int64_t item, Handoff in) {
   Handoff out;
   if (!call->failed.load(std::memory_order_acquire)) {
     try {
@@ -184,12 +193,17 @@ void Runtime::task(const std::shared_ptr<Call>& call, int64_t stage_index, int64
     }
   }
   if (stage_index + 1 < static_cast<int64_t>(stages_.size())) {
-    workers_[stage_index + 1]->push([this, call, stage_index, item, out] {
-      task(call, stage_index + 1, item, out);
-    });
+    // The item's one reference to the call moves on with it (Note [Call
+    // ownership]).
+    workers_[stage_index + 1]->push(
+        [this, c = std::move(call), stage_index, item, h = std::move(out)]() mutable {
+          task(std::move(c), stage_index + 1, item, std::move(h));
+        });
   } else {
-    std::lock_guard<std::mutex> lock(call->mutex);
-    if (++call->finished == call->job->n_items) call->cv.notify_all();
+    Call& done = *call;
+    call.reset();  // the caller's reference keeps it alive until it has seen this
+    std::lock_guard<std::mutex> lock(done.mutex);
+    if (++done.finished == done.job->n_items) done.cv.notify_all();
   }
 }
 
@@ -213,7 +227,7 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
     call->forwards = &forwards;
     call->entry = entry;
     for (int64_t i = 0; i < job.n_items; ++i) {
-      workers_[0]->push([this, call, i] { task(call, 0, i, Handoff{}); });
+      workers_[0]->push([this, c = call, i]() mutable { task(std::move(c), 0, i, Handoff{}); });
     }
     std::unique_lock<std::mutex> lock(call->mutex);
     call->cv.wait(lock, [&] { return call->finished == job.n_items; });

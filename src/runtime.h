@@ -238,7 +238,7 @@ class Runtime {
   /// `in` made usable by `stage`; a copy between devices is recorded as a
   /// Copy task of `item` when `recorder` is set.
   at::Tensor receive(Handoff in, int64_t stage, Recorder* recorder = nullptr, int64_t item = 0);
-  void task(const std::shared_ptr<Call>& call, int64_t stage, int64_t item, Handoff in);
+  void task(std::shared_ptr<Call> call, int64_t stage, int64_t item, Handoff in);
   /// Called inside a catch block: the current exception as a c10::Error that
   /// names the method, stage, device and item ("micro-batch 3 of 8").
   std::exception_ptr describe_failure(const char* method, const std::string& item_name,

@@ -304,11 +304,13 @@ void Runtime::train(TrainJob& job, const std::vector<StageForward>& forwards, bo
   if (threaded) {
     ensure_workers();
     for (int64_t j = 0; j < n_stages; ++j) {
-      workers_[static_cast<size_t>(j)]->push([this, call, j] {
-        run_program(*call, j);
-        std::lock_guard<std::mutex> lock(call->mutex);
-        ++call->finished;
-        call->done.notify_all();
+      workers_[static_cast<size_t>(j)]->push([this, c = call, j]() mutable {
+        run_program(*c, j);
+        TrainCall& done = *c;
+        c.reset();  // before the caller can move on (Note [Call ownership])
+        std::lock_guard<std::mutex> lock(done.mutex);
+        ++done.finished;
+        done.done.notify_all();
       });
     }
     std::unique_lock<std::mutex> lock(call->mutex);
