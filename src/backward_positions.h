@@ -31,7 +31,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -41,29 +40,27 @@ namespace detail {
 class BackwardPositions {
  public:
   /// `input`'s own graph (the caller's) is not the pipeline's: never tagged.
-  explicit BackwardPositions(const at::Tensor& input) : last_(std::make_shared<std::atomic<int64_t>>(-1)) {
-    if (input.defined() && input.grad_fn()) seen_.insert(input.grad_fn().get());
-  }
+  explicit BackwardPositions(const at::Tensor& input)
+      : stop_(input.defined() ? input.grad_fn().get() : nullptr),
+        last_(std::make_shared<std::atomic<int64_t>>(-1)) {}
 
   /// Tags the nodes stage `stage` created for `item`, reachable from `output`.
   void tag(int64_t stage, int64_t item, const at::Tensor& output) {
     if (!output.defined() || !output.grad_fn()) return;
     const int64_t packed = (stage << 32) | item;
+    // A node already tagged (by an earlier stage call, whose hand-off ordered
+    // it before this one) carries a Hook first: no set of visited nodes is
+    // needed. The lock only guards graphs users share between stages.
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<torch::autograd::Node*> stack{output.grad_fn().get()};
     while (!stack.empty()) {
       torch::autograd::Node* node = stack.back();
       stack.pop_back();
-      if (!seen_.insert(node).second) continue;
-      if (dynamic_cast<torch::autograd::AccumulateGrad*>(node)) continue;
+      if (node == stop_ || dynamic_cast<torch::autograd::AccumulateGrad*>(node)) continue;
+      auto& hooks = hooks_of(*node);
+      if (!hooks.empty() && dynamic_cast<Hook*>(hooks.front().get())) continue;
       // First in line, before hooks users registered on the node's output
-      // (which may be what throws); LibTorch 2 runs those tensor hooks
-      // before the node's own pre-hooks, 1.13 keeps both in pre_hooks().
-#if TORCH_VERSION_MAJOR >= 2
-      auto& hooks = node->tensor_pre_hooks();
-#else
-      auto& hooks = node->pre_hooks();
-#endif
+      // (which may be what throws).
       hooks.insert(hooks.begin(), std::make_unique<Hook>(last_, packed));
       for (const auto& edge : node->next_edges()) {
         if (edge.function) stack.push_back(edge.function.get());
@@ -90,8 +87,20 @@ class BackwardPositions {
     int64_t packed;
   };
 
+  /// The pre-hooks that run first: LibTorch 2 runs the hooks registered on a
+  /// node's outputs (tensor_pre_hooks) before the node's own; 1.13 keeps both
+  /// in pre_hooks().
+  static std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>& hooks_of(
+      torch::autograd::Node& node) {
+#if TORCH_VERSION_MAJOR >= 2
+    return node.tensor_pre_hooks();
+#else
+    return node.pre_hooks();
+#endif
+  }
+
   std::mutex mutex_;
-  std::unordered_set<torch::autograd::Node*> seen_;
+  torch::autograd::Node* stop_;  // the caller's graph begins here
   std::shared_ptr<std::atomic<int64_t>> last_;  // shared with the hooks, which outlive this
 };
 
