@@ -42,18 +42,10 @@ inline std::vector<StatefulModule> find_stateful(const std::shared_ptr<torch::nn
 class StateSnapshot {
  public:
   StateSnapshot() = default;
-  explicit StateSnapshot(const std::vector<StatefulModule>& modules) {
-    for (const auto& m : modules) {
-      if (m.state->supports_state_snapshots()) saved_.emplace_back(m.state, m.state->save_state());
-    }
-  }
+  explicit StateSnapshot(const std::vector<StatefulModule>& modules) { add(modules); }
   /// Every stage's modules.
   explicit StateSnapshot(const std::vector<std::vector<StatefulModule>>& stages) {
-    for (const auto& modules : stages) {
-      for (const auto& m : modules) {
-        if (m.state->supports_state_snapshots()) saved_.emplace_back(m.state, m.state->save_state());
-      }
-    }
+    for (const auto& modules : stages) add(modules);
   }
   void load() const {
     for (const auto& s : saved_) s.first->load_state(s.second);
@@ -61,6 +53,11 @@ class StateSnapshot {
   bool empty() const { return saved_.empty(); }
 
  private:
+  void add(const std::vector<StatefulModule>& modules) {
+    for (const auto& m : modules) {
+      if (m.state->supports_state_snapshots()) saved_.emplace_back(m.state, m.state->save_state());
+    }
+  }
   std::vector<std::pair<Stateful*, std::any>> saved_;
 };
 
