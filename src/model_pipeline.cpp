@@ -6,6 +6,7 @@
 #include "device_probe.h"
 #include "graphs.h"
 #include "recorder.h"
+#include "rng.h"
 #include "runtime.h"
 #include "state_snapshot.h"
 #include "streams.h"
@@ -200,6 +201,7 @@ at::Tensor ModelPipelineImpl::run_call(
   if (graphable(x)) {
     const std::string key = c10::str(method, "|", arg0, "|", arg1, "|", x.sizes(), "|",
                                      x.scalar_type(), is_training() ? "|train" : "|eval");
+    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
     at::Tensor out = detail::run_graphed(
         *graphs_, key, x, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
         [this] { reset_states(*this); });
@@ -252,6 +254,7 @@ at::Tensor ModelPipelineImpl::run_step(
     const std::string& key, const at::Tensor& x, const at::Tensor& target,
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
   if (!key.empty() && step_graphable(x, target)) {
+    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
     at::Tensor loss = detail::run_graphed_step(
         *graphs_, key, {x, target}, parameters(),
         [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },

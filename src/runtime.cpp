@@ -51,11 +51,7 @@ Runtime::Runtime() = default;
 Runtime::~Runtime() = default;
 
 void Runtime::add_stage(c10::Device device) {
-  Stage stage{device, c10::nullopt, c10::nullopt, nullptr};
-  for (const Stage& s : stages_) {
-    if (s.device == device) stage.rng_mutex = s.rng_mutex;
-  }
-  if (!stage.rng_mutex) stage.rng_mutex = std::make_shared<std::mutex>();
+  Stage stage{device, c10::nullopt, c10::nullopt};
   if (!device.is_cpu()) stage.compute = pool_stream(device);
   if (!stages_.empty()) {
     const c10::Device prev = stages_.back().device;
@@ -118,7 +114,11 @@ Handoff Runtime::run_task(Job& job, const std::vector<StageForward>& forwards,
   // Ends before the hand-off event, so the next stage's task starts after it.
   c10::optional<TaskSpan> span;
   span.emplace(job.recorder, stage_index, item, TaskKind::Forward, stage.device, stage.compute);
-  at::Tensor output = forwards[stage_index](input);
+  at::Tensor output;
+  {
+    RngScope draws(job.rng, stage_index, item);  // Note [Random draws]
+    output = forwards[stage_index](input);
+  }
   TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
   if (job.backward_positions) job.backward_positions->tag(stage_index, item, output);
   if (last) {
@@ -214,6 +214,7 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
   const int64_t n_stages = static_cast<int64_t>(stages_.size());
   job.outputs.assign(job.reduce_sum ? 1 : static_cast<size_t>(job.n_items), at::Tensor());
   job.received_input = at::Tensor();
+  job.rng = CallRng::begin(devices());
 
   std::shared_ptr<c10::Event> entry;
   if (!input.device().is_cpu()) entry = record_event(current_stream(input.device()));
@@ -256,6 +257,12 @@ void Runtime::execute(Job& job, const std::vector<StageForward>& forwards, bool 
     const c10::Stream caller = current_stream(last.device);
     for (const auto& t : job.outputs) record_on(t, caller);
   }
+}
+
+std::vector<c10::Device> Runtime::devices() const {
+  std::vector<c10::Device> out;
+  for (const Stage& s : stages_) out.push_back(s.device);
+  return out;
 }
 
 void Runtime::ensure_workers() {

@@ -6,6 +6,7 @@
 #include "mpipe/model_pipeline.h"
 #include "mpipe/schedule.h"
 
+#include "rng.h"
 #include "state_snapshot.h"
 
 #include <ATen/core/Tensor.h>
@@ -83,9 +84,6 @@ struct Stage {
   c10::optional<c10::Stream> compute;  // none for CPU stages
   // Copies from the previous stage's device, when that is another accelerator.
   c10::optional<c10::Stream> copy_in;
-  // Serialises RNG use on this device while checkpointing (shared by the
-  // stages of one device; Note [Training runtime]).
-  std::shared_ptr<std::mutex> rng_mutex;
 };
 
 /// A thread that runs queued tasks in order.
@@ -165,6 +163,8 @@ struct Job {
   Recorder* recorder = nullptr;
   /// Tags each stage call's autograd nodes (Note [Backward positions]); else null.
   BackwardPositions* backward_positions = nullptr;
+  /// The call's random seed (Note [Random draws]); set by execute().
+  CallRng rng;
 };
 
 /// One training step's work (ModelPipelineImpl::train_step).
@@ -189,6 +189,8 @@ struct TrainJob {
   at::Tensor loss_sum;
   /// Records every task when the timeline is on (Note [Timeline]); else null.
   Recorder* recorder = nullptr;
+  /// The call's random seed (Note [Random draws]); set by train().
+  CallRng rng;
 };
 
 class Runtime {
@@ -244,6 +246,7 @@ class Runtime {
   std::exception_ptr describe_failure(const char* method, const std::string& item_name,
                                       int64_t n_items, int64_t stage, int64_t item) const;
   void ensure_workers();
+  std::vector<c10::Device> devices() const;
 
   std::vector<Stage> stages_;
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -45,18 +45,16 @@ namespace detail {
 // hand on from that stream.
 //
 // Checkpointing: a checkpointed forward runs under NoGradGuard and keeps only
-// its input, the RNG state of its device and the state of the stage's Stateful
-// modules (Note [State snapshots]); its backward runs the stage again (under
-// RecomputeGuard) from that RNG and module state, puts the module state back
-// where it was, then backpropagates. Dropout therefore draws the same mask and
-// a neuron advances once per micro-batch. On the last stage a checkpointed
-// forward skips the loss: the recompute computes it, so loss_fn runs once per
-// micro-batch in every mode. Losses are summed in micro-batch order at the end,
-// so the returned loss does not depend on the schedule. Stages that share a
-// device share its generator, and worker threads would interleave their draws,
-// so while checkpointing is on, every stage forward (and recompute) on a device
-// holds that device's RNG mutex: host work of those stages is serialised, their
-// kernels still overlap on the GPU. Nothing is checkpointed in eval mode.
+// its input and the state of the stage's Stateful modules (Note [State
+// snapshots]); its backward runs the stage again (under RecomputeGuard) from
+// that module state, with the random draws of the same (stage, micro-batch)
+// (Note [Random draws]), puts the module state back where it was, then
+// backpropagates. Dropout therefore draws the same mask and a neuron advances
+// once per micro-batch. On the last stage a checkpointed forward skips the
+// loss: the recompute computes it, so loss_fn runs once per micro-batch in
+// every mode. Losses are summed in micro-batch order at the end,
+// so the returned loss does not depend on the schedule. Nothing is
+// checkpointed in eval mode.
 //
 // After the step, the caller's streams wait for every stage stream (join) and
 // parameter gradients are recorded on the caller's streams, so an optimizer
@@ -67,29 +65,6 @@ namespace {
 
 struct Aborted {};  // another stage failed: stop quietly
 
-at::Tensor rng_state(c10::Device device) {
-  at::Generator gen = at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_rng_state(c10::Device device, const at::Tensor& state) {
-  at::Generator gen = at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
-/// Restores the device's RNG state when it goes out of scope.
-class RngRestore {
- public:
-  explicit RngRestore(c10::Device device) : device_(device), state_(rng_state(device)) {}
-  ~RngRestore() { set_rng_state(device_, state_); }
-
- private:
-  c10::Device device_;
-  at::Tensor state_;
-};
-
 }  // namespace
 
 struct Runtime::TrainCall {
@@ -97,7 +72,6 @@ struct Runtime::TrainCall {
     at::Tensor input;      // detached, requires grad (stage 0: if the input does)
     at::Tensor output;     // the backward root: output, or the loss on the last stage
     at::Tensor target;     // last stage, checkpointed: for the recomputed loss
-    at::Tensor rng_state;  // checkpointed: the device's RNG state before forward
     StateSnapshot state_before;  // checkpointed: the stage's module state before forward
     bool checkpointed = false;
   };
@@ -168,10 +142,8 @@ void Runtime::train_forward(TrainCall& call, int64_t j, int64_t i, const char*& 
   span.emplace(job.recorder, j, i, TaskKind::Forward, stage.device, stage.compute);
   at::Tensor out;
   {
-    std::unique_lock<std::mutex> rng_lock(*stage.rng_mutex, std::defer_lock);
-    if (job.checkpoint != Checkpoint::Never) rng_lock.lock();
+    RngScope draws(job.rng, j, i);  // the recompute draws the same (Note [Random draws])
     if (sv.checkpointed) {
-      sv.rng_state = rng_state(stage.device);
       if (job.stateful) sv.state_before = StateSnapshot((*job.stateful)[static_cast<size_t>(j)]);
       c10::NoGradGuard no_grad;
       out = (*call.forwards)[static_cast<size_t>(j)](sv.input);
@@ -211,9 +183,7 @@ void Runtime::train_backward(TrainCall& call, int64_t j, int64_t i, const char*&
   if (sv.checkpointed) {
     phase = "recompute of micro-batch";
     TaskSpan span(job.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
-    std::lock_guard<std::mutex> rng_lock(*stage.rng_mutex);
-    RngRestore restore(stage.device);
-    set_rng_state(stage.device, sv.rng_state);
+    RngScope draws(job.rng, j, i);  // the forward's draws again (Note [Random draws])
     // Run from the module state the forward started from, then put back the
     // state of now (Note [State snapshots]).
     struct Reload {
@@ -288,6 +258,7 @@ void Runtime::train(TrainJob& job, const std::vector<StageForward>& forwards, bo
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(job.programs.size()) == n_stages);
   job.input_grads.assign(static_cast<size_t>(job.n_items), at::Tensor());
   job.loss_sum = at::Tensor();
+  job.rng = CallRng::begin(devices());
 
   auto call = std::make_shared<TrainCall>();
   call->job = &job;

@@ -16,8 +16,8 @@ struct ModelPipelineOptions {
   TORCH_ARG(bool, worker_threads) = true;
   /// Activation checkpointing in train_step (only in training mode): a
   /// checkpointed stage keeps just its input in forward and runs again in
-  /// backward, with the RNG state of its device restored so dropout draws the
-  /// same mask. See Note [Training runtime].
+  /// backward, drawing the same random numbers, so dropout draws the same
+  /// mask. See Note [Training runtime].
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::Never;
   /// Capture no-grad forward / constant_forward / sequence_forward calls, and
   /// whole training steps (train_step, constant_train_step: forward and
