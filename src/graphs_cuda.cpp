@@ -2,6 +2,7 @@
 
 #include <ATen/Functions.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <map>
+#include <mutex>
 #include <set>
 
 namespace mpipe {
@@ -139,7 +141,20 @@ at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tens
       capture(
           *entry.graph,
           [&] {
-            eager(entry.input);  // warm-up: library handles, workspaces, the allocator
+            // Warm-up: library handles, workspaces, the allocator. Its random
+            // draws are undone, so this call's replay draws what later calls
+            // draw from the same generator state (Note [Random draws]).
+            at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(x.device().index());
+            at::Tensor rng_state;
+            {
+              std::lock_guard<std::mutex> lock(gen.mutex());
+              rng_state = gen.get_state();
+            }
+            eager(entry.input);
+            {
+              std::lock_guard<std::mutex> lock(gen.mutex());
+              gen.set_state(rng_state);
+            }
             reset();
           },
           [&] { entry.output = eager(entry.input); });
