@@ -5,6 +5,8 @@
 // LibTorch, make_graph_cache() returns null and nothing is graphed.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/StringUtil.h>
 
 #include <functional>
 #include <memory>
@@ -15,6 +17,28 @@ namespace mpipe {
 namespace detail {
 
 class GraphCache;
+
+/// What a captured graph is for: a call kind with its arguments and the
+/// shapes and dtypes it saw. Calls with equal keys replay one graph.
+struct GraphKey {
+  std::string method;
+  int64_t items = 0;       // split_size (forward, train_step) or T
+  bool reduce = false;     // constant_forward, sequence_forward
+  int schedule = -1;       // train_step: Schedule
+  int reduction = -1;      // train_step: LossReduction
+  std::vector<int64_t> input_sizes;
+  c10::ScalarType input_dtype = c10::ScalarType::Undefined;
+  std::vector<int64_t> target_sizes;
+  c10::ScalarType target_dtype = c10::ScalarType::Undefined;
+  bool training = false;   // the module's mode
+
+  std::string str() const {
+    return c10::str(method, "|", items, "|", reduce, "|", schedule, "|", reduction, "|",
+                    c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
+                    c10::IntArrayRef(target_sizes), "|", target_dtype,
+                    training ? "|train" : "|eval");
+  }
+};
 
 /// A cache of captured calls, or null when this build has no CUDA.
 std::shared_ptr<GraphCache> make_graph_cache();

@@ -28,6 +28,12 @@ inline void record_on(const at::Tensor& t, const c10::Stream& stream) {
                                                                        stream);
 }
 
+/// `t` is used on its device's current stream now (the caller's: a call's
+/// results handed to it).
+inline void record_on_current(const at::Tensor& t) {
+  if (t.defined() && !t.device().is_cpu()) record_on(t, current_stream(t.device()));
+}
+
 inline std::shared_ptr<c10::Event> record_event(const c10::Stream& stream) {
   auto event = std::make_shared<c10::Event>(stream.device_type());
   event->record(stream);

@@ -5,9 +5,9 @@
 #include <set>
 #include <utility>
 
-using mpipe::schedule::Clock;
-using mpipe::schedule::Task;
-using mpipe::schedule::fill_drain;
+using mpipe::schedules::Clock;
+using mpipe::schedules::Task;
+using mpipe::schedules::fill_drain;
 
 TEST(Schedule, FillDrainExactSmall) {
   // 3 micro-batches through 2 stages.
@@ -58,7 +58,7 @@ TEST(Schedule, FillDrainEmptyAndInvalid) {
 }
 
 TEST(Schedule, BubbleFraction) {
-  EXPECT_DOUBLE_EQ(mpipe::schedule::fill_drain_bubble(8, 4), 3.0 / 11.0);
-  EXPECT_DOUBLE_EQ(mpipe::schedule::fill_drain_bubble(1, 1), 0.0);
-  EXPECT_DOUBLE_EQ(mpipe::schedule::fill_drain_bubble(0, 4), 0.0);
+  EXPECT_DOUBLE_EQ(mpipe::schedules::fill_drain_bubble(8, 4), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(mpipe::schedules::fill_drain_bubble(1, 1), 0.0);
+  EXPECT_DOUBLE_EQ(mpipe::schedules::fill_drain_bubble(0, 4), 0.0);
 }

@@ -153,8 +153,8 @@ TEST(Timeline, BubbleOfHandMadeTasks) {
   t.tasks.push_back({1, 0, TaskKind::Copy, torch::kCPU, 0.5, 1.0});  // copies are not work
   EXPECT_DOUBLE_EQ(t.makespan_ms(), 3.0);
   EXPECT_NEAR(t.bubble_fraction(), 1.0 - 4.0 / 6.0, 1e-12);
-  EXPECT_NEAR(mpipe::schedule::bubble(mpipe::schedule::gpipe(8, 4)), 3.0 / 11.0, 1e-12);
-  EXPECT_NEAR(mpipe::schedule::bubble(mpipe::schedule::one_f_one_b(8, 4)), 3.0 / 11.0, 1e-12);
+  EXPECT_NEAR(mpipe::schedules::bubble(mpipe::schedules::gpipe(8, 4)), 3.0 / 11.0, 1e-12);
+  EXPECT_NEAR(mpipe::schedules::bubble(mpipe::schedules::one_f_one_b(8, 4)), 3.0 / 11.0, 1e-12);
   check_exports(t);
 }
 

@@ -16,7 +16,7 @@ using mpipe::ModelPipeline;
 using mpipe::ModelPipelineOptions;
 using mpipe::Schedule;
 using mpipe::TrainStepOptions;
-namespace sch = mpipe::schedule;
+namespace sch = mpipe::schedules;
 using sch::B;
 using sch::F;
 

@@ -2,12 +2,13 @@
 
 // mpipe::ModelPipeline: a model split into stages, each on its own device and
 // stream, with micro-batches (forward) or time steps (constant_forward)
-// streamed through them. Design: Note [Pipeline runtime] in src/runtime.h and
-// docs/design.md.
+// streamed through them. Design: docs/design.md and Note [One runtime] in
+// src/executor.h.
 
 #include <mpipe/device.h>
 #include <mpipe/memory.h>
 #include <mpipe/pipeline_options.h>
+#include <mpipe/tensors.h>
 #include <mpipe/timeline.h>
 #include <mpipe/training.h>
 
@@ -20,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -27,15 +29,6 @@
 namespace mpipe {
 
 namespace detail {
-class Runtime;
-class GraphCache;
-class Recorder;
-struct Job;
-struct StatefulModule;
-class BackwardPositions;
-/// How the runtime calls a stage: one tensor in, one tensor out.
-using StageForward = std::function<at::Tensor(const at::Tensor&)>;
-
 template <typename M, typename = void>
 struct has_tensor_forward : std::false_type {};
 template <typename M>
@@ -43,6 +36,58 @@ struct has_tensor_forward<
     M, std::enable_if_t<std::is_convertible<
            decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>())),
            at::Tensor>::value>> : std::true_type {};
+
+template <typename M, typename = void>
+struct has_tensors_forward : std::false_type {};
+template <typename M>
+struct has_tensors_forward<
+    M, std::enable_if_t<std::is_convertible<
+           decltype(std::declval<M&>().forward(std::declval<const Tensors&>())),
+           Tensors>::value>> : std::true_type {};
+
+/// A stage's result as Tensors: one tensor, a vector, or a tuple of tensors.
+inline Tensors as_tensors(at::Tensor t) { return {std::move(t)}; }
+inline Tensors as_tensors(Tensors t) { return t; }
+template <typename... Ts>
+Tensors as_tensors(std::tuple<Ts...> t) {
+  Tensors out;
+  std::apply([&](auto&... x) { (out.push_back(at::Tensor(x)), ...); }, t);
+  return out;
+}
+
+void check_input_count(size_t got, size_t wanted);
+
+/// Calls `m.forward(in[0], ..., in[N - 1])`, checking that there are N inputs.
+template <size_t N, typename M, size_t... I>
+Tensors call_with(M& m, const Tensors& in, std::index_sequence<I...>) {
+  check_input_count(in.size(), N);
+  return as_tensors(m.forward(in[I]...));
+}
+
+template <typename T>
+struct forward_arity;
+template <typename C, typename R, typename... A>
+struct forward_arity<R (C::*)(A...)> : std::integral_constant<size_t, sizeof...(A)> {};
+template <typename C, typename R, typename... A>
+struct forward_arity<R (C::*)(A...) const> : std::integral_constant<size_t, sizeof...(A)> {};
+
+/// How the pipeline calls module `m` as a stage (see append).
+template <typename M>
+StageForward stage_forward(M* m) {
+  if constexpr (has_tensors_forward<M>::value) {
+    return [m](const Tensors& in) { return as_tensors(m->forward(in)); };
+  } else if constexpr (has_tensor_forward<M>::value) {
+    return [m](const Tensors& in) {
+      check_input_count(in.size(), 1);
+      return Tensors{m->forward(in[0])};
+    };
+  } else {
+    constexpr size_t n = forward_arity<decltype(&M::forward)>::value;
+    return [m](const Tensors& in) {
+      return call_with<n>(*m, in, std::make_index_sequence<n>{});
+    };
+  }
+}
 }  // namespace detail
 
 class ModelPipelineImpl : public torch::nn::Module {
@@ -53,23 +98,23 @@ class ModelPipelineImpl : public torch::nn::Module {
   ModelPipelineImpl& operator=(const ModelPipelineImpl&) = delete;
 
   /// Appends a stage that runs after those already appended and moves it to
-  /// `device` (see DeviceArg for the accepted spellings). `module` is any module
-  /// whose forward takes and returns one tensor: a holder such as
-  /// torch::nn::Sequential or torch::nn::Linear, a std::shared_ptr to one, or an
-  /// AnyModule. The stage is registered as submodule "stages.<index>". Its
-  /// mpipe::Stateful modules are found now (Note [State snapshots]): register
-  /// them before appending the stage.
+  /// `device` (see DeviceArg for the accepted spellings). `module` is a holder
+  /// such as torch::nn::Sequential or torch::nn::Linear, a std::shared_ptr to
+  /// one, or an AnyModule (one tensor in and out). Its forward takes
+  ///  - one tensor and returns one tensor (the common case), or
+  ///  - `const mpipe::Tensors&` and returns Tensors (or one tensor), or
+  ///  - N tensors (a forward that is not a template) and returns one tensor
+  ///    or a std::tuple of tensors;
+  /// stage j's outputs are stage j+1's inputs, in order (mpipe/tensors.h). The
+  /// stage is registered as submodule "stages.<index>". Its mpipe::Stateful
+  /// modules are found now (Note [State snapshots]): register them before
+  /// appending the stage.
   template <typename ModuleType>
   ModelPipelineImpl& append(std::shared_ptr<ModuleType> module, const DeviceArg& device) {
     static_assert(std::is_base_of<torch::nn::Module, ModuleType>::value,
                   "mpipe::ModelPipeline::append takes a torch::nn::Module");
-    static_assert(detail::has_tensor_forward<ModuleType>::value,
-                  "mpipe::ModelPipeline::append: the stage's forward must take one tensor "
-                  "and return a tensor");
     ModuleType* raw = module.get();
-    return append_stage(std::move(module),
-                        [raw](const at::Tensor& x) -> at::Tensor { return raw->forward(x); },
-                        device);
+    return append_stage(std::move(module), detail::stage_forward(raw), device);
   }
   template <typename ModuleType>
   ModelPipelineImpl& append(const torch::nn::ModuleHolder<ModuleType>& module,
@@ -84,6 +129,11 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// along dim 0, on the output device. Equal, in value and in gradients, to
   /// running the stages one after another on the whole batch.
   at::Tensor forward(const at::Tensor& x, int64_t split_size);
+  /// forward for stages with several tensors: `inputs` are stage 0's inputs,
+  /// each split along dim 0 unless marked mpipe::unbatched (then every
+  /// micro-batch gets it whole); batched inputs must agree on their size along
+  /// dim 0. Returns the last stage's outputs, each concatenated along dim 0.
+  Tensors forward(const std::vector<Input>& inputs, int64_t split_size);
 
   /// Runs the model T times on the same input `x`, time steps pipelined across
   /// stages (stage j runs step t while stage j-1 runs step t+1). Each stage runs
@@ -92,6 +142,9 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// the T outputs; reduce = false returns them concatenated along dim 0,
   /// time-major ([T*N, ...]).
   at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true);
+  /// constant_forward for stages with several tensors: every time step gets
+  /// all `inputs`; each output is summed (reduce) or concatenated time-major.
+  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce = true);
 
   /// Runs the model on a sequence `x_seq` of shape [T, N, ...] (e.g.
   /// Poisson-encoded frames), step t on x_seq[t], with time steps pipelined
@@ -99,6 +152,10 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// as [T, N, ...], or their sum when reduce = true. Equal, in values and
   /// gradients, to a plain loop over t.
   at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false);
+  /// sequence_forward for stages with several tensors: batched inputs are
+  /// [T, N, ...] and step t gets their row t; unbatched inputs go whole to
+  /// every step. Each output is stacked [T, ...] or summed (reduce).
+  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce = false);
 
   /// One training step. Splits `input` and `target` along dim 0 into
   /// micro-batches of step.split_size() rows, runs every stage's forwards and
@@ -116,6 +173,12 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// shapes, call clear_cuda_graphs().
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step);
+  /// train_step for stages with several tensors: `inputs` as in forward's
+  /// overload (their gradients, where they require one, are accumulated; an
+  /// unbatched input's is the sum over micro-batches). The last stage returns
+  /// one tensor, which loss_fn takes.
+  at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
+                        const LossFunction& loss_fn, const TrainStepOptions& step);
 
   /// One training step of a model run for T time steps (an SNN): resets the
   /// stateful modules, computes out = constant_forward(x, T, true) (the sum of
@@ -127,15 +190,18 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// training steps]), loss_fn included: see train_step.
   at::Tensor constant_train_step(const at::Tensor& x, int64_t T, const at::Tensor& target,
                                  const LossFunction& loss_fn);
+  /// constant_train_step for stages with several tensors (the last returns one).
+  at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
+                                 const at::Tensor& target, const LossFunction& loss_fn);
 
   /// Number of stages.
-  size_t size() const noexcept { return devices_.size(); }
-  bool is_empty() const noexcept { return devices_.empty(); }
+  size_t size() const noexcept;
+  bool is_empty() const noexcept { return size() == 0; }
   /// Stage `index`'s module.
   std::shared_ptr<torch::nn::Module> stage(size_t index) const;
   /// The device stage `index` runs on.
   c10::Device device(size_t index) const;
-  const std::vector<c10::Device>& devices() const noexcept { return devices_; }
+  const std::vector<c10::Device>& devices() const noexcept;
   /// Where forward's and constant_forward's results live: the last stage's device.
   c10::Device output_device() const;
 
@@ -177,60 +243,12 @@ class ModelPipelineImpl : public torch::nn::Module {
  private:
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
-  void check_runnable(const char* method, const at::Tensor& x, bool time_major = false) const;
-  /// clear_cuda_graphs with call_mutex_ held.
-  void drop_graphs();
-  /// Refuses checkpointing when a stage holds a Stateful module without state
-  /// snapshots (Note [State snapshots]).
-  void check_checkpointable(const char* method) const;
-  void check_placement_kept(c10::Device device, const char* what) const;
-  bool graphable(const at::Tensor& x) const;
-  /// Whether a training step on (x, target) may be graphed (Note [Graphed
-  /// training steps]): graphable's rules, plus the target on x's device, an
-  /// input that needs no gradient and no checkpointing.
-  bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
-  /// Runs a training step: replayed from a CUDA graph when step_graphable, else
-  /// `eager(x, target, worker_threads)`; an empty key is never graphed. The
-  /// caller holds call_mutex_.
-  at::Tensor run_step(const std::string& key, const at::Tensor& x, const at::Tensor& target,
-                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager);
-  /// Runs a call: replayed from a CUDA graph when options.cuda_graphs() allows
-  /// it (keyed by method, its two integer arguments and x's shape), else
-  /// `eager(x, worker_threads)`.
-  at::Tensor run_call(const char* method, int64_t arg0, int64_t arg1, const at::Tensor& x,
-                      const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
 
-  /// Runs a forward-type job through the runtime, recording its tasks when
-  /// options.record_timeline (fill-drain's bubble as the schedule's).
-  void execute_job(detail::Job& job, bool threaded, const at::Tensor& input);
-  /// `in` run T times (constant_forward's job, also constant_train_step's):
-  /// the sum of the outputs, or them concatenated time-major.
-  at::Tensor run_constant(const char* method, const at::Tensor& in, int64_t T, bool reduce,
-                          bool threaded, detail::BackwardPositions* positions = nullptr);
-  /// A recorder for a call of `n_items` items when options.record_timeline,
-  /// else null; `schedule_bubble` is the schedule's idle fraction.
-  std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
-                                                    int64_t n_items, double schedule_bubble) const;
-  /// With options.track_memory: resets the allocator peaks of the stage
-  /// devices (begin) and reads them after the call (end).
-  void begin_memory_watch();
-  void end_memory_watch(const char* method);
-
-  torch::nn::ModuleList stages_;
-  std::vector<detail::StageForward> forwards_;
-  std::vector<c10::Device> devices_;
-  std::vector<std::vector<detail::StatefulModule>> stateful_;  // per stage
-  std::unique_ptr<detail::Runtime> runtime_;
-  std::shared_ptr<detail::GraphCache> graphs_;  // null without CUDA
-  mutable std::mutex call_mutex_;  // one call at a time: stages' state must see calls in order
-  std::shared_ptr<detail::Recorder> pending_timeline_;  // the last recorded call
-  Timeline timeline_;                                   // ...once resolved
-  std::string memory_call_;
-  struct MemoryCounters {
-    c10::Device device;
-    int64_t before, peak;
-  };
-  std::vector<MemoryCounters> memory_counters_;  // per CUDA stage device, last call
+  /// Everything else a pipeline holds (src/pipeline_state.h): the stages'
+  /// executor, the graph cache, the call lock, the last call's timeline and
+  /// memory figures; the call kinds are written on it.
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 /// A holder for ModelPipelineImpl, as torch::nn's modules have.

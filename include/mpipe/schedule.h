@@ -11,7 +11,7 @@
 #include <vector>
 
 namespace mpipe {
-namespace schedule {
+namespace schedules {
 
 /// One unit of work: `stage` runs item `index` (a micro-batch, or a time step).
 struct Task {
@@ -32,7 +32,7 @@ using Clock = std::vector<Task>;
 /// after stage j - 1 finished it (at an earlier clock).
 inline std::vector<Clock> fill_drain(int64_t n_items, int64_t n_stages) {
   if (n_items < 0 || n_stages < 0) {
-    throw std::invalid_argument("mpipe::schedule::fill_drain: sizes must be >= 0, got n_items=" +
+    throw std::invalid_argument("mpipe::schedules::fill_drain: sizes must be >= 0, got n_items=" +
                                 std::to_string(n_items) +
                                 ", n_stages=" + std::to_string(n_stages));
   }
@@ -81,7 +81,7 @@ using Program = std::vector<Op>;
 namespace detail {
 inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
   if (n_micro <= 0 || n_stages <= 0) {
-    throw std::invalid_argument(std::string("mpipe::schedule::") + who +
+    throw std::invalid_argument(std::string("mpipe::schedules::") + who +
                                 ": sizes must be positive, got n_micro=" +
                                 std::to_string(n_micro) + ", n_stages=" + std::to_string(n_stages));
   }
@@ -132,25 +132,40 @@ inline int64_t peak_in_flight(const Program& program) {
   return peak;
 }
 
+/// The program of a call with no backward operations (forward,
+/// constant_forward, sequence_forward): every stage runs F(0), ..., F(n - 1).
+/// Run on simulate's clock it is fill_drain's wavefront.
+inline std::vector<Program> forward_only(int64_t n_items, int64_t n_stages) {
+  detail::check_sizes("forward_only", n_items, n_stages);
+  std::vector<Program> programs(static_cast<size_t>(n_stages));
+  for (auto& p : programs) {
+    for (int64_t i = 0; i < n_items; ++i) p.push_back(F(i));
+  }
+  return programs;
+}
+
 /// Throws std::invalid_argument unless every stage's program runs F(i) and B(i)
-/// exactly once for each micro-batch i < n_micro, F(i) before B(i).
-inline void validate(const std::vector<Program>& programs, int64_t n_micro) {
+/// exactly once for each micro-batch i < n_micro, F(i) before B(i); with
+/// `backward` = false, F(i) exactly once and no B at all.
+inline void validate(const std::vector<Program>& programs, int64_t n_micro,
+                     bool backward = true) {
   for (size_t j = 0; j < programs.size(); ++j) {
     std::vector<int> f(static_cast<size_t>(n_micro), 0), b(f);
     for (const Op& op : programs[j]) {
       const bool fwd = op.kind == OpKind::Forward;
       if (op.micro_batch < 0 || op.micro_batch >= n_micro ||
-          ++(fwd ? f : b)[static_cast<size_t>(op.micro_batch)] > 1 ||
+          (!fwd && !backward) || ++(fwd ? f : b)[static_cast<size_t>(op.micro_batch)] > 1 ||
           (!fwd && f[static_cast<size_t>(op.micro_batch)] == 0)) {
-        throw std::invalid_argument("mpipe::schedule::validate: stage " + std::to_string(j) +
+        throw std::invalid_argument("mpipe::schedules::validate: stage " + std::to_string(j) +
                                     " has a missing, repeated or misordered operation on "
                                     "micro-batch " + std::to_string(op.micro_batch));
       }
     }
-    if (programs[j].size() != static_cast<size_t>(2 * n_micro)) {
-      throw std::invalid_argument("mpipe::schedule::validate: stage " + std::to_string(j) +
+    if (programs[j].size() != static_cast<size_t>((backward ? 2 : 1) * n_micro)) {
+      throw std::invalid_argument("mpipe::schedules::validate: stage " + std::to_string(j) +
                                   " runs " + std::to_string(programs[j].size()) +
-                                  " operations, expected " + std::to_string(2 * n_micro));
+                                  " operations, expected " +
+                                  std::to_string((backward ? 2 : 1) * n_micro));
     }
   }
 }
@@ -200,7 +215,7 @@ inline std::vector<std::vector<TimedOp>> simulate(const std::vector<Program>& pr
       if (ready) now.push_back(TimedOp{j, op});
     }
     if (now.empty()) {
-      throw std::invalid_argument("mpipe::schedule::simulate: the programs cannot finish (tick " +
+      throw std::invalid_argument("mpipe::schedules::simulate: the programs cannot finish (tick " +
                                   std::to_string(tick) + ")");
     }
     for (const TimedOp& t : now) {
@@ -227,5 +242,5 @@ inline double bubble(const std::vector<Program>& programs) {
                    (static_cast<double>(programs.size()) * static_cast<double>(ticks.size()));
 }
 
-}  // namespace schedule
+}  // namespace schedules
 }  // namespace mpipe

@@ -41,7 +41,7 @@ struct Timeline {
   int64_t n_items = 0;
   std::vector<c10::Device> stage_devices;
   std::vector<TimelineTask> tasks;
-  /// The schedule's idle fraction on a unit clock (schedule::bubble).
+  /// The schedule's idle fraction on a unit clock (schedules::bubble).
   double schedule_bubble = 0;
 
   bool empty() const { return tasks.empty(); }

@@ -13,9 +13,9 @@
 namespace mpipe {
 
 enum class Schedule {
-  /// Fill-drain: all forwards, then all backwards (schedule::gpipe).
+  /// Fill-drain: all forwards, then all backwards (schedules::gpipe).
   GPipe,
-  /// One forward, one backward (schedule::one_f_one_b): the same time, with
+  /// One forward, one backward (schedules::one_f_one_b): the same time, with
   /// at most n_stages micro-batches' activations alive instead of all.
   OneFOneB,
 };
@@ -42,9 +42,9 @@ struct TrainStepOptions {
 };
 
 /// The programs `schedule` gives each stage.
-inline std::vector<schedule::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages) {
-  return s == Schedule::GPipe ? schedule::gpipe(n_micro, n_stages)
-                              : schedule::one_f_one_b(n_micro, n_stages);
+inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages) {
+  return s == Schedule::GPipe ? schedules::gpipe(n_micro, n_stages)
+                              : schedules::one_f_one_b(n_micro, n_stages);
 }
 
 }  // namespace mpipe

@@ -1,0 +1,485 @@
+#include "executor.h"
+
+#include "backward_positions.h"
+#include "recorder.h"
+#include "skips.h"
+#include "streams.h"
+
+#include "mpipe/state.h"
+
+#include <ATen/Functions.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <atomic>
+#include <map>
+#include <string>
+#include <utility>
+
+namespace mpipe {
+namespace detail {
+
+// Note [Training runtime]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// train_step cuts the autograd graph at every stage boundary: stage j's
+// forward of micro-batch i runs on detached copies of its inputs that require
+// grad (floating-point ones; stage 0's only where the caller's do), and keeps
+// (inputs, outputs) until its backward. The last stage's forward also computes
+// the micro-batch's weighted loss. B(j, i) calls autograd on stage j's piece
+// alone: backward(loss_i) on the last stage, backward(outputs, grads)
+// elsewhere, where grads are the gradients of stage j's outputs that B(j + 1,
+// i) sent back (the .grad of its detached inputs). So each stage's backward is
+// an action the schedule can place, which is what lets 1F1B free a
+// micro-batch's activations as soon as its backward ran. Autograd runs each
+// backward op on its forward op's stream, and the backward call's own thread
+// has stage j's stream current, so the engine's final sync makes the input
+// gradients safe to hand on from that stream.
+//
+// Checkpointing: a checkpointed forward runs under NoGradGuard and keeps only
+// its inputs (and what it popped) and the state of the stage's Stateful
+// modules (Note [State snapshots]); its backward runs the stage again (under
+// RecomputeGuard) from that module state, with the random draws of the same
+// (stage, micro-batch) (Note [Random draws]), puts the module state back where
+// it was, then backpropagates. Dropout therefore draws the same mask and a
+// neuron advances once per micro-batch. On the last stage a checkpointed
+// forward skips the loss: the recompute computes it, so loss_fn runs once per
+// micro-batch in every mode. Losses are summed in micro-batch order after the
+// step, so the returned loss does not depend on the schedule. Nothing is
+// checkpointed in eval mode.
+
+// Note [Call ownership]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The state of a threaded call (its error included) is shared by the caller
+// and the workers, by shared_ptr. A worker drops its reference *before* it
+// tells the caller that it is done; the caller holds its own until it has seen
+// every worker done. So the call's state, and the c10::Error in it, always die
+// on the caller's thread, never on a worker after the caller has moved on
+// (ThreadSanitizer could not order such a destruction: the exception's
+// reference count lives in uninstrumented libstdc++).
+
+Worker::Worker() : thread_([this] { loop(); }) {}
+
+Worker::~Worker() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+}
+
+void Worker::push(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
+}
+
+void Worker::loop() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      fn = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    fn();          // tasks catch their own errors (Executor::run_program)
+    fn = nullptr;  // release what the task captured (tensors) before waiting
+  }
+}
+
+namespace {
+
+bool can_require_grad(const at::Tensor& t) {
+  return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
+}
+
+/// A detached copy of `t` that requires grad when `grad` and it can.
+at::Tensor leaf(const at::Tensor& t, bool grad) {
+  if (!t.defined()) return t;
+  at::Tensor out = t.detach();
+  if (grad && can_require_grad(out)) out.requires_grad_(true);
+  return out;
+}
+
+/// The gradient a leaf got in backward; undefined when it got none.
+at::Tensor grad_of(const at::Tensor& leaf) {
+  return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
+}
+
+}  // namespace
+
+struct Executor::Run {
+  struct Saved {
+    Tensors inputs;   // detached leaves
+    Tensors outputs;  // backward roots: the outputs, or {loss} on the last stage
+    Tensors targets;  // last stage, checkpointed: for the recomputed loss
+    std::map<std::string, at::Tensor> stashed;  // roots, with gradients from the poppers
+    std::map<std::string, at::Tensor> popped;   // leaves, their gradients go to...
+    std::map<std::string, int64_t> popped_from;  // ...the stasher
+    StateSnapshot state_before;  // checkpointed: the stage's module state before forward
+    bool checkpointed = false;
+  };
+
+  CallSpec* call = nullptr;
+  const std::vector<StageForward>* forwards = nullptr;
+  std::unique_ptr<LocalTransport> transport;
+  std::map<std::string, std::shared_ptr<c10::Event>> entries;  // by device: the caller's work
+  at::ThreadLocalState tls;
+  CallRng rng;
+  SkipTable skips;
+  Tensors stage0_input;                   // same_input: received once
+  std::vector<std::vector<Saved>> saved;  // [stage][item], training only
+
+  std::mutex mutex;  // guards what follows
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  int64_t finished = 0;
+  std::condition_variable done;
+
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!error) error = std::move(e);
+    }
+    failed.store(true, std::memory_order_release);
+    transport->abort();
+  }
+
+  /// The caller's tensors made usable by stage `to`.
+  Tensors from_caller(int64_t to, int64_t item, Tensors values) const {
+    for (auto& v : values) {
+      if (!v.defined()) continue;
+      auto it = entries.find(v.device().str());
+      v = transport->accept(to, item, {v}, it == entries.end() ? nullptr : it->second)[0];
+    }
+    return values;
+  }
+};
+
+Executor::Executor() = default;
+Executor::~Executor() = default;
+
+void Executor::add_stage(c10::Device device) {
+  StagePlace stage{device, c10::nullopt, c10::nullopt};
+  if (!device.is_cpu()) stage.compute = pool_stream(device);
+  if (!stages_.empty()) {
+    const c10::Device prev = stages_.back().device;
+    if (!prev.is_cpu() && prev != device) stage.copy_in = pool_stream(prev);
+  }
+  stages_.push_back(stage);
+}
+
+void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = stages_[static_cast<size_t>(j)];
+  const bool last = j + 1 == static_cast<int64_t>(stages_.size());
+  Tensors in;
+  if (j == 0 && call.same_input && i > 0) {
+    in = run.stage0_input;
+  } else if (j == 0) {
+    in = run.from_caller(0, i, call.source(i));
+    if (call.same_input) run.stage0_input = in;
+  } else {
+    in = run.transport->receive(j, Key{Key::Activation, i, {}});
+  }
+  Run::Saved* sv = call.training ? &run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)]
+                                 : nullptr;
+  const bool ckpt = call.training && checkpointed(call.checkpoint, i, call.n_items);
+  if (sv) {
+    sv->checkpointed = ckpt;
+    for (size_t k = 0; k < in.size(); ++k) {
+      in[k] = leaf(in[k], j > 0 || (k < call.input_requires_grad.size() &&
+                                    call.input_requires_grad[k]));
+    }
+    sv->inputs = in;
+  }
+
+  c10::OptionalStreamGuard stream_guard(stage.compute);
+  MicroBatchGuard micro_batch(call.micro_batched ? MicroBatch{i, call.n_items} : MicroBatch{});
+  // Ends before the hand-off, so the next stage's task starts after it.
+  c10::optional<TaskSpan> span;
+  span.emplace(call.recorder, j, i, TaskKind::Forward, stage.device, stage.compute);
+  Tensors out;
+  {
+    RngScope draws(run.rng, j, i);
+    SkipScope skips(
+        [&](const std::string& name, at::Tensor t) {
+          run.skips.stash(name, i, j);
+          if (sv && !ckpt) sv->stashed[name] = t;
+          run.transport->send(j, -1, Key{Key::Skip, i, name}, {sv ? t.detach() : t});
+        },
+        [&](const std::string& name) {
+          const int64_t from = run.skips.pop(name, i, j);
+          at::Tensor t = run.transport->receive(j, Key{Key::Skip, i, name})[0];
+          if (sv) {
+            t = leaf(t, true);
+            sv->popped[name] = t;
+            sv->popped_from[name] = from;
+          }
+          return t;
+        });
+    if (ckpt) {
+      if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[static_cast<size_t>(j)]);
+      c10::NoGradGuard no_grad;
+      out = (*run.forwards)[static_cast<size_t>(j)](in);
+    } else {
+      out = (*run.forwards)[static_cast<size_t>(j)](in);
+    }
+  }
+  TORCH_CHECK(!out.empty(), "the stage returned no tensor");
+  for (size_t k = 0; k < out.size(); ++k) {
+    TORCH_CHECK(out[k].defined(), "the stage returned an undefined tensor",
+                out.size() > 1 ? c10::str(" (output ", k, " of ", out.size(), ")") : "");
+    if (call.backward_positions) call.backward_positions->tag(j, i, out[k]);
+  }
+  if (last) {
+    if (call.training) {
+      Tensors targets = run.from_caller(j, i, call.target(i));
+      if (ckpt) {
+        sv->targets = std::move(targets);  // the recompute computes the loss
+      } else {
+        phase = "loss of micro-batch";
+        at::Tensor loss = call.loss(i, out, targets);
+        call.losses[static_cast<size_t>(i)] = loss.detach();
+        sv->outputs = {loss};
+      }
+    } else {
+      call.sink(i, std::move(out));
+    }
+    run.skips.check_all_popped(i);
+    return;
+  }
+  if (sv && !ckpt) sv->outputs = out;
+  span.reset();
+  if (sv) {
+    for (auto& t : out) t = t.detach();
+  }
+  run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
+}
+
+void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = stages_[static_cast<size_t>(j)];
+  const bool last = j + 1 == static_cast<int64_t>(stages_.size());
+  Run::Saved& sv = run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
+  Tensors grads;
+  if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
+
+  c10::OptionalStreamGuard stream_guard(stage.compute);
+  MicroBatchGuard micro_batch({i, call.n_items});
+  Tensors roots = sv.outputs;
+  std::map<std::string, at::Tensor> stashed = sv.stashed;
+  if (sv.checkpointed) {
+    phase = "recompute of micro-batch";
+    TaskSpan span(call.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
+    RngScope draws(run.rng, j, i);  // the forward's draws again (Note [Random draws])
+    // Run from the module state the forward started from, then put back the
+    // state of now (Note [State snapshots]).
+    struct Reload {
+      StateSnapshot now;
+      ~Reload() {
+        try {
+          now.load();
+        } catch (...) {  // an error already on its way is the one to report
+        }
+      }
+    } reload{sv.state_before.empty() ? StateSnapshot()
+                                     : StateSnapshot((*call.stateful)[static_cast<size_t>(j)])};
+    sv.state_before.load();
+    RecomputeGuard recompute;
+    SkipScope skips(
+        [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
+        [&](const std::string& name) {
+          auto it = sv.popped.find(name);
+          TORCH_CHECK(it != sv.popped.end(), "pop('", name,
+                      "'): the recompute popped a name its forward did not");
+          return it->second;
+        });
+    Tensors out = (*run.forwards)[static_cast<size_t>(j)](sv.inputs);
+    if (last) {
+      phase = "loss of micro-batch";
+      at::Tensor loss = call.loss(i, out, sv.targets);
+      call.losses[static_cast<size_t>(i)] = loss.detach();
+      roots = {loss};
+    } else {
+      roots = std::move(out);
+    }
+  }
+  phase = "backward of micro-batch";
+  c10::optional<TaskSpan> span;  // ends before the hand-off, as in forward_action
+  span.emplace(call.recorder, j, i, TaskKind::Backward, stage.device, stage.compute);
+  std::vector<at::Tensor> r, g;
+  for (size_t k = 0; k < roots.size(); ++k) {
+    if (!roots[k].requires_grad()) continue;
+    if (last) {
+      r.push_back(roots[k]);
+      g.emplace_back();  // the loss: implicitly 1
+    } else if (k < grads.size() && grads[k].defined()) {
+      r.push_back(roots[k]);
+      g.push_back(grads[k]);
+    }
+  }
+  for (const auto& s : stashed) {
+    at::Tensor gs = run.transport->receive(j, Key{Key::SkipGradient, i, s.first})[0];
+    if (s.second.requires_grad() && gs.defined()) {
+      r.push_back(s.second);
+      g.push_back(gs);
+    }
+  }
+  if (!r.empty()) torch::autograd::backward(r, g);
+  Tensors input_grads;
+  for (const auto& x : sv.inputs) input_grads.push_back(grad_of(x));
+  for (const auto& p : sv.popped) {
+    run.transport->send(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first},
+                        {grad_of(p.second)});
+  }
+  span.reset();
+  if (j > 0) {
+    run.transport->send(j, j - 1, Key{Key::Gradient, i, {}}, std::move(input_grads));
+  } else {
+    call.input_grads[static_cast<size_t>(i)] = std::move(input_grads);
+  }
+  sv = Run::Saved{};  // this micro-batch's activations are free now
+}
+
+std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* phase,
+                                              int64_t j, int64_t i) const {
+  std::string what;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "unknown exception";
+  }
+  try {
+    TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", j, " (on ",
+                stages_[static_cast<size_t>(j)].device, ") failed at ", phase, " ", i, " of ",
+                call.n_items, ": ", what);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;  // unreachable
+}
+
+void Executor::run_program(Run& run, int64_t j) {
+  for (const schedules::Op& op : run.call->programs[static_cast<size_t>(j)]) {
+    const bool forward = op.kind == schedules::OpKind::Forward;
+    const char* phase = !run.call->training ? run.call->item_name
+                        : forward           ? "forward of micro-batch"
+                                            : "backward of micro-batch";
+    try {
+      at::ThreadLocalStateGuard tls_guard(run.tls);
+      if (forward) {
+        forward_action(run, j, op.micro_batch, phase);
+      } else {
+        backward_action(run, j, op.micro_batch, phase);
+      }
+    } catch (const Aborted&) {
+      return;
+    } catch (...) {
+      run.fail(describe_failure(*run.call, phase, j, op.micro_batch));
+      return;
+    }
+  }
+}
+
+void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded) {
+  const auto n_stages = static_cast<int64_t>(stages_.size());
+  TORCH_INTERNAL_ASSERT(n_stages > 0 && forwards.size() == stages_.size() && call.n_items > 0);
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(call.programs.size()) == n_stages);
+  schedules::validate(call.programs, call.n_items, call.training);
+  if (call.training) {
+    call.input_grads.assign(static_cast<size_t>(call.n_items), Tensors());
+    call.losses.assign(static_cast<size_t>(call.n_items), at::Tensor());
+  }
+
+  auto run = std::make_shared<Run>();
+  run->call = &call;
+  run->forwards = &forwards;
+  run->transport = std::make_unique<LocalTransport>(stages_, threaded, call.recorder);
+  for (const auto& t : call.caller_tensors) {
+    if (!t.defined() || t.device().is_cpu() || run->entries.count(t.device().str())) continue;
+    run->entries[t.device().str()] = record_event(current_stream(t.device()));
+  }
+  std::vector<c10::Device> devices;
+  for (const auto& s : stages_) devices.push_back(s.device);
+  run->rng = CallRng::begin(devices);
+  if (call.training) {
+    run->saved.assign(static_cast<size_t>(n_stages),
+                      std::vector<Run::Saved>(static_cast<size_t>(call.n_items)));
+  }
+  fork();
+
+  if (threaded) {
+    while (workers_.size() < stages_.size()) workers_.push_back(std::make_unique<Worker>());
+    for (int64_t j = 0; j < n_stages; ++j) {
+      workers_[static_cast<size_t>(j)]->push([this, r = run, j]() mutable {
+        run_program(*r, j);
+        Run& done = *r;
+        r.reset();  // before the caller can move on (Note [Call ownership])
+        std::lock_guard<std::mutex> lock(done.mutex);
+        ++done.finished;
+        done.done.notify_all();
+      });
+    }
+    std::unique_lock<std::mutex> lock(run->mutex);
+    run->done.wait(lock, [&] { return run->finished == n_stages; });
+  } else {
+    for (const auto& tick : schedules::simulate(call.programs)) {
+      for (const auto& t : tick) {
+        const bool forward = t.op.kind == schedules::OpKind::Forward;
+        const char* phase = !call.training ? call.item_name
+                            : forward      ? "forward of micro-batch"
+                                           : "backward of micro-batch";
+        try {
+          if (forward) {
+            forward_action(*run, t.stage, t.op.micro_batch, phase);
+          } else {
+            backward_action(*run, t.stage, t.op.micro_batch, phase);
+          }
+        } catch (...) {
+          run->fail(describe_failure(call, phase, t.stage, t.op.micro_batch));
+          break;
+        }
+      }
+      if (run->failed.load()) break;
+    }
+  }
+
+  join();  // also after a failure: the caller may free what the stages used
+  run->saved.clear();  // a failed step leaves activations behind: drop them
+  run->stage0_input.clear();
+  if (run->error) std::rethrow_exception(run->error);
+}
+
+void Executor::fork() const {
+  for (size_t j = 0; j < stages_.size(); ++j) {
+    if (!stages_[j].compute) continue;
+    bool first_on_device = true;
+    for (size_t k = 0; k < j; ++k) first_on_device &= stages_[k].device != stages_[j].device;
+    if (!first_on_device) continue;
+    const auto event = record_event(current_stream(stages_[j].device));
+    for (const StagePlace& s : stages_) {
+      if (s.device == stages_[j].device) event->block(*s.compute);
+    }
+  }
+}
+
+void Executor::join() const {
+  for (const StagePlace& s : stages_) {
+    if (s.compute) record_event(*s.compute)->block(current_stream(s.device));
+  }
+}
+
+}  // namespace detail
+}  // namespace mpipe

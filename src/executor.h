@@ -1,0 +1,156 @@
+#pragma once
+
+// Private: the one executor of per-stage programs that runs every pipeline
+// call (Note [One runtime]).
+
+#include "mpipe/checkpoint.h"
+#include "mpipe/schedule.h"
+#include "mpipe/tensors.h"
+
+#include "rng.h"
+#include "state_snapshot.h"
+#include "transport.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+class Recorder;           // recorder.h
+class BackwardPositions;  // backward_positions.h
+
+// Note [One runtime]
+// ~~~~~~~~~~~~~~~~~~
+// Every call compiles to a CallSpec: a program per stage (schedule.h) of
+// actions F(i) (forward of item i) and B(i) (backward of item i), where items
+// are micro-batches or time steps. Forward-type calls (forward,
+// constant_forward, sequence_forward, and constant_train_step's forward) are
+// programs of forwards only (schedules::forward_only) over one autograd graph;
+// train_step's programs come from its schedule (gpipe, one_f_one_b) and cut
+// the graph at stage boundaries (Note [Training runtime]).
+//
+// The executor runs the programs, threaded (stage j's program on worker j)
+// or inline (the caller runs the actions in schedules::simulate's tick order,
+// in which every input exists before it is needed). An action's inputs come
+// from the Transport (Note [Transport]): activations from the previous stage,
+// gradients from the next, skip tensors from their stasher (Note [Skip
+// connections]); the call's inputs enter stage 0 from the caller. So this
+// file has the one failure path (the first error is kept, the transport is
+// aborted so no stage waits, the caller rethrows it naming the stage, its
+// device, the item and the phase), the one place that records timeline tasks
+// (forward, recompute and backward spans here, copies in the transport), and
+// moves no data itself.
+//
+// Around every stage call the executor sets: the stage's compute stream, the
+// item as MicroBatch (micro-batched calls) or micro-batch 0 of 1 (time
+// steps), the random draws of (stage, item) (Note [Random draws]) and the
+// call's skip scope.
+
+struct CallSpec {
+  const char* method = "";     // for messages: "forward", "train_step", ...
+  const char* item_name = "";  // "micro-batch", "time step"
+  int64_t n_items = 0;
+  /// One per stage; forwards only unless `training`.
+  std::vector<schedules::Program> programs;
+  /// Micro-batches of one batch: stage calls run under MicroBatchGuard{i, n}.
+  bool micro_batched = false;
+  /// Stage 0's inputs for item i, on the caller's devices. `same_input`: the
+  /// same tensors for every item, so stage 0 receives them once.
+  std::function<Tensors(int64_t)> source;
+  bool same_input = false;
+  /// The caller's tensors (inputs, targets): the call starts after the
+  /// caller's work on their devices.
+  Tensors caller_tensors;
+
+  // Forward-type calls.
+  /// Takes the last stage's outputs of item i, on its stream, in item order.
+  std::function<void(int64_t, Tensors)> sink;
+  /// Tags each stage call's autograd nodes (Note [Backward positions]); else null.
+  BackwardPositions* backward_positions = nullptr;
+
+  // Training steps (Note [Training runtime]).
+  bool training = false;
+  /// Item i's targets, on the caller's devices.
+  std::function<Tensors(int64_t)> target;
+  /// The weighted loss of item i from the last stage's outputs and the targets
+  /// (runs on the last stage, its stream current).
+  std::function<at::Tensor(int64_t, const Tensors&, const Tensors&)> loss;
+  Checkpoint checkpoint = Checkpoint::Never;
+  /// Each stage's Stateful modules (Note [State snapshots]).
+  const std::vector<std::vector<StatefulModule>>* stateful = nullptr;
+  /// Which of stage 0's inputs need gradients (by position).
+  std::vector<bool> input_requires_grad;
+  /// Results: the gradients of stage 0's inputs per item ([item][input]), and
+  /// each item's loss, detached.
+  std::vector<Tensors> input_grads;
+  std::vector<at::Tensor> losses;
+
+  /// Records every task when the timeline is on (Note [Timeline]); else null.
+  Recorder* recorder = nullptr;
+};
+
+/// A thread that runs queued tasks in order.
+class Worker {
+ public:
+  Worker();
+  ~Worker();
+  void push(std::function<void()> fn);
+
+ private:
+  void loop();
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members above exist
+};
+
+class Executor {
+ public:
+  Executor();
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  /// Prepares streams for a stage appended on `device`.
+  void add_stage(c10::Device device);
+  const std::vector<StagePlace>& stages() const { return stages_; }
+  /// Stage `stage`'s compute stream (none for CPU stages).
+  c10::optional<c10::Stream> compute_stream(size_t stage) const { return stages_[stage].compute; }
+
+  /// Runs `call` through `forwards` (one per stage). Throws c10::Error naming
+  /// the stage, its device, the item and the phase.
+  void run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded);
+
+  /// The caller's current stream on every stage device waits for every stage
+  /// stream there, so the caller sees all of the call's work (also that of a
+  /// backward pass the caller ran through the stages).
+  void join() const;
+
+ private:
+  struct Run;
+
+  /// Every stage stream waits for the caller's current stream on its device.
+  void fork() const;
+  void forward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
+  void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
+  void run_program(Run& run, int64_t stage);
+  /// Inside a catch block: the current exception as a c10::Error naming the
+  /// call, the stage, its device, the phase and the item.
+  std::exception_ptr describe_failure(const CallSpec& call, const char* phase, int64_t stage,
+                                      int64_t item) const;
+
+  std::vector<StagePlace> stages_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace detail
+}  // namespace mpipe

@@ -1,0 +1,109 @@
+#pragma once
+
+// Private: what a ModelPipelineImpl holds besides its options, and the call
+// kinds written on it. Where things are:
+//   model_pipeline.cpp  the facade: append, devices, to/load, reports
+//   calls.cpp           forward, constant_forward, sequence_forward; the call
+//                       prologue (lock, memory watch, rollback) and the
+//                       choice between a CUDA graph and the executor
+//   train_steps.cpp     train_step, constant_train_step
+//   scatter.h           inputs split into micro-batches or time steps, and
+//                       outputs gathered
+//   executor.h          the one executor of per-stage programs
+//   transport.h         how tensors move between stages
+//   skips.h, rng.h      skip connections, reproducible random draws
+//   graphs.h            CUDA-graph capture and replay
+
+#include "mpipe/model_pipeline.h"
+
+#include "executor.h"
+#include "graphs.h"
+#include "recorder.h"
+#include "state_snapshot.h"
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+
+struct ModelPipelineImpl::State {
+  explicit State(ModelPipelineImpl& owner);
+
+  ModelPipelineImpl& self;
+  torch::nn::ModuleList stages;
+  std::vector<detail::StageForward> forwards;
+  std::vector<c10::Device> devices;
+  std::vector<std::vector<detail::StatefulModule>> stateful;  // per stage
+  detail::Executor executor;
+  std::shared_ptr<detail::GraphCache> graphs;  // null without CUDA
+  mutable std::mutex call_mutex;  // one call at a time: stages' state must see calls in order
+  std::shared_ptr<detail::Recorder> pending_timeline;  // the last recorded call
+  Timeline timeline;                                   // ...once resolved
+  struct MemoryCounters {
+    c10::Device device;
+    int64_t before, peak;
+  };
+  std::string memory_call;
+  std::vector<MemoryCounters> memory_counters;  // per CUDA stage device, last call
+
+  // calls.cpp ---------------------------------------------------------------
+  /// The call prologue every call kind shares: the call lock, the memory
+  /// watch and the rollback of stateful modules on failure (Note [State
+  /// snapshots]). Runs `body` inside it.
+  template <typename F>
+  auto guarded(const char* method, F&& body) -> decltype(body());
+  Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
+  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
+                           bool graphable_call);
+  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, bool graphable_call);
+  /// `spec` through the executor, its tasks recorded when options.record_timeline.
+  void execute(detail::CallSpec& spec, bool threaded);
+  /// constant_forward's call (also constant_train_step's forward): the
+  /// outputs summed or concatenated time-major.
+  Tensors run_constant(const char* method, const Tensors& in, int64_t T, bool reduce,
+                       bool threaded, detail::BackwardPositions* positions = nullptr);
+  /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
+  bool graphable(const at::Tensor& x) const;
+  /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
+  at::Tensor graphed_or_eager(const detail::GraphKey& key, const at::Tensor& x,
+                              const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
+  void drop_graphs();
+  std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
+                                                    int64_t n_items, double bubble) const;
+  void begin_memory_watch();
+  void end_memory_watch(const char* method);
+
+  // train_steps.cpp ---------------------------------------------------------
+  at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
+                        const LossFunction& loss_fn, const TrainStepOptions& step,
+                        bool graphable_call);
+  at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
+                                 const at::Tensor& target, const LossFunction& loss_fn,
+                                 bool graphable_call);
+  bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
+  /// A training step: replayed from a CUDA graph when step_graphable (and
+  /// `graphable_call`), else `eager(x, target, worker_threads)`.
+  at::Tensor run_step(const detail::GraphKey& key, bool graphable_call, const at::Tensor& x,
+                      const at::Tensor& target,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                     bool)>& eager);
+  void check_checkpointable(const char* method) const;
+};
+
+template <typename F>
+auto ModelPipelineImpl::State::guarded(const char* method, F&& body) -> decltype(body()) {
+  std::lock_guard<std::mutex> lock(call_mutex);
+  begin_memory_watch();
+  struct EndWatch {
+    State& s;
+    const char* method;
+    ~EndWatch() { s.end_memory_watch(method); }
+  } end_watch{*this, method};
+  detail::RollbackOnFailure rollback(stateful);  // Note [State snapshots]
+  return body();
+}
+
+}  // namespace mpipe

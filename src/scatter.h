@@ -1,0 +1,95 @@
+#pragma once
+
+// Private: a call's inputs split into micro-batches or time steps, and the
+// last stage's outputs gathered back.
+
+#include "mpipe/tensors.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+/// The batched inputs' common size along `dim` (checked); -1 when none is.
+inline int64_t batch_size(const char* method, const std::vector<Input>& inputs, int64_t dim) {
+  TORCH_CHECK(!inputs.empty(), "mpipe::ModelPipeline::", method, ": no inputs given");
+  int64_t size = -1, first = -1;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const at::Tensor& t = inputs[k].tensor;
+    TORCH_CHECK(t.defined(), "mpipe::ModelPipeline::", method, ": input ", k,
+                " is an undefined tensor");
+    if (!inputs[k].batched) continue;
+    TORCH_CHECK(t.dim() > dim, "mpipe::ModelPipeline::", method, ": input ", k,
+                " needs a ", dim == 0 ? "batch dimension (dim 0)" : "time dimension and a batch "
+                "dimension", ", got shape ", t.sizes(), "; mark inputs that every ",
+                dim == 0 ? "micro-batch" : "time step", " gets whole with mpipe::unbatched");
+    if (size < 0) {
+      size = t.size(dim);
+      first = static_cast<int64_t>(k);
+    }
+    TORCH_CHECK(t.size(dim) == size, "mpipe::ModelPipeline::", method, ": batched inputs ",
+                first, " and ", k, " differ in size along dim ", dim, " (", size, " and ",
+                t.size(dim), ")");
+  }
+  return size;
+}
+
+/// Rows [i * rows, i * rows + rows) of the batched inputs; unbatched whole.
+inline Tensors micro_batch(const std::vector<Input>& inputs, int64_t i, int64_t rows,
+                           int64_t batch) {
+  Tensors out;
+  for (const auto& in : inputs) {
+    out.push_back(in.batched ? in.tensor.narrow(0, i * rows, std::min(rows, batch - i * rows))
+                             : in.tensor);
+  }
+  return out;
+}
+
+/// Step t of the batched inputs ([T, N, ...]); unbatched whole.
+inline Tensors time_step(const std::vector<Input>& inputs, int64_t t) {
+  Tensors out;
+  for (const auto& in : inputs) out.push_back(in.batched ? in.tensor.select(0, t) : in.tensor);
+  return out;
+}
+
+inline Tensors tensors_of(const std::vector<Input>& inputs) {
+  Tensors out;
+  for (const auto& in : inputs) out.push_back(in.tensor);
+  return out;
+}
+
+/// The outputs of every item as one Tensors: output k of each item
+/// concatenated along dim 0 (or stacked into [n_items, ...]).
+inline Tensors gather(const char* method, const char* item_name, int64_t last_stage,
+                      const std::vector<Tensors>& items, bool stack, bool micro_batched) {
+  TORCH_INTERNAL_ASSERT(!items.empty());
+  const size_t n_out = items[0].size();
+  Tensors out;
+  for (size_t k = 0; k < n_out; ++k) {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < items.size(); ++i) {
+      TORCH_CHECK(items[i].size() == n_out, "mpipe::ModelPipeline::", method, ": stage ",
+                  last_stage, " returned ", items[i].size(), " tensors at ", item_name, " ", i,
+                  " but ", n_out, " at ", item_name, " 0");
+      const at::Tensor& t = items[i][k];
+      TORCH_CHECK(stack || t.dim() >= 1, "mpipe::ModelPipeline::", method, ": stage ",
+                  last_stage, " returned a 0-dim tensor", n_out > 1 ? c10::str(" (output ", k, ")") : "",
+                  " at ", item_name, " ", i, "; outputs are concatenated along dim 0, so each "
+                  "needs one", micro_batched ? "" : " (or use reduce = true)");
+      parts.push_back(t);
+    }
+    if (stack) {
+      out.push_back(at::stack(parts, 0));
+    } else {
+      out.push_back(parts.size() == 1 ? parts[0] : at::cat(parts, 0));
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+}  // namespace mpipe

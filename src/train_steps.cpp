@@ -1,0 +1,312 @@
+// The training steps: train_step (per-stage programs of forwards and
+// backwards, Note [Training runtime]) and constant_train_step (an SNN's T
+// time steps, then one backward).
+
+#include "pipeline_state.h"
+
+#include "backward_positions.h"
+#include "rng.h"
+#include "scatter.h"
+#include "streams.h"
+
+#include "mpipe/state.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+namespace mpipe {
+
+using detail::CallSpec;
+using detail::GraphKey;
+
+namespace {
+
+/// loss_fn(out, target), its errors marked as the loss function's (and as
+/// `method`'s, when the executor does not name the call itself).
+at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out, const at::Tensor& target,
+                     const char* method = nullptr) {
+  std::string what;
+  try {
+    return loss_fn(out, target);
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  TORCH_CHECK(false, method ? c10::str("mpipe::ModelPipeline::", method, ": ") : std::string(),
+              "the loss function failed: ", what);
+}
+
+void check_grad_mode(const char* method) {
+  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
+              "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
+              "InferenceMode is active); a training step needs them");
+}
+
+}  // namespace
+
+void ModelPipelineImpl::State::check_checkpointable(const char* method) const {
+  for (size_t j = 0; j < stateful.size(); ++j) {
+    for (const auto& m : stateful[j]) {
+      TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
+                  ": stage ", j, " holds a stateful module without state snapshots: ", m.name,
+                  ". Checkpointing runs a stage again in backward and must start that module "
+                  "from the state its forward saw; implement supports_state_snapshots(), "
+                  "save_state() and load_state() (Note [State snapshots] in mpipe/state.h), "
+                  "or use Checkpoint::Never");
+    }
+  }
+}
+
+bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x, const at::Tensor& target) const {
+  if (x.requires_grad() || (self.is_training() && self.options.checkpoint() != Checkpoint::Never)) {
+    return false;  // input gradients leave the graph; a recompute is not captured
+  }
+  if (target.defined() && target.device() != x.device()) return false;
+  // graphable()'s rules apart from grad mode (it also refuses while a timeline
+  // is recorded).
+  c10::NoGradGuard no_grad;
+  return graphable(x);
+}
+
+at::Tensor ModelPipelineImpl::State::run_step(
+    const GraphKey& key, bool graphable_call, const at::Tensor& x, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
+  if (graphable_call && self.options.cuda_graphs() && step_graphable(x, target)) {
+    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+    at::Tensor loss = detail::run_graphed_step(
+        *graphs, key.str(), {x, target}, self.parameters(),
+        [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+        [this] { reset_states(self); });
+    if (loss.defined()) {
+      reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
+      return loss;
+    }
+  }
+  return eager(x, target, self.options.worker_threads());
+}
+
+at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs,
+                                                const at::Tensor& target,
+                                                const LossFunction& loss_fn,
+                                                const TrainStepOptions& step,
+                                                bool graphable_call) {
+  const int64_t batch = detail::batch_size("train_step", inputs, 0);
+  TORCH_CHECK(batch != -1, "mpipe::ModelPipeline::train_step: no input is batched; train_step "
+              "splits batched inputs into micro-batches");
+  TORCH_CHECK(batch > 0, "mpipe::ModelPipeline::train_step: the input's batch is empty (size 0 "
+              "along dim 0)");
+  TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == batch,
+              "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
+              batch, ") along dim 0, got ",
+              target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
+  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
+  TORCH_CHECK(step.split_size() > 0,
+              "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
+              step.split_size());
+  check_grad_mode("train_step");
+  const int64_t rows = step.split_size();
+  const bool mean = step.reduction() == LossReduction::Mean;
+  const auto n_stages = static_cast<int64_t>(devices.size());
+  std::vector<bool> requires_grad;
+  bool any_grad = false;
+  for (const auto& in : inputs) {
+    requires_grad.push_back(in.tensor.requires_grad());
+    any_grad |= in.tensor.requires_grad();
+  }
+  auto eager = [&](const std::vector<Input>& in, const at::Tensor& y, bool threaded) {
+    CallSpec spec;
+    spec.method = "train_step";
+    spec.item_name = "micro-batch";
+    spec.training = true;
+    spec.micro_batched = true;
+    spec.n_items = (batch - 1) / rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    spec.programs = programs_for(step.schedule(), spec.n_items, n_stages);
+    spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
+    spec.target = [&](int64_t i) {
+      return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
+    };
+    spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
+      TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
+                  " tensors; train_step's loss_fn takes one");
+      at::Tensor loss = call_loss(loss_fn, out[0], tgt[0]);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "the loss function must return one value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+      return loss;
+    };
+    spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
+    spec.stateful = &stateful;
+    spec.input_requires_grad = requires_grad;
+    spec.caller_tensors = detail::tensors_of(in);
+    spec.caller_tensors.push_back(y);
+    execute(spec, threaded);
+    at::Tensor loss_sum;
+    {  // the step's loss, on the last stage's stream, summed in micro-batch order
+      c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
+      for (const auto& l : spec.losses) loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    }
+    // Parameter gradients and the loss are used on the caller's streams now.
+    for (size_t j = 0; j < devices.size(); ++j) {
+      for (const auto& p : stages->ptr(j)->parameters()) detail::record_on_current(p.grad());
+    }
+    detail::record_on_current(loss_sum);
+    if (any_grad) {  // the inputs' gradients, through the caller's own graph
+      std::vector<at::Tensor> roots, grads;
+      for (size_t k = 0; k < inputs.size(); ++k) {
+        if (!requires_grad[k]) continue;
+        std::vector<at::Tensor> parts;
+        at::Tensor sum;
+        for (int64_t i = 0; i < spec.n_items; ++i) {
+          const auto& mb = detail::micro_batch(in, i, rows, batch)[k];
+          at::Tensor g = spec.input_grads[static_cast<size_t>(i)][k];
+          if (!g.defined()) g = at::zeros_like(mb);
+          detail::record_on_current(g);
+          g = g.to(inputs[k].tensor.device());
+          if (inputs[k].batched) {
+            parts.push_back(g);
+          } else {
+            sum = sum.defined() ? sum + g : g;
+          }
+        }
+        roots.push_back(inputs[k].tensor);
+        grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
+      }
+      torch::autograd::backward(roots, grads);
+    }
+    return loss_sum;
+  };
+  return guarded("train_step", [&] {
+    if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
+      check_checkpointable("train_step");
+    }
+    std::vector<Input> detached;
+    for (const auto& in : inputs) {
+      Input d(in.tensor.detach());
+      d.batched = in.batched;
+      detached.push_back(d);
+    }
+    GraphKey key;
+    const bool graphed = graphable_call && inputs.size() == 1 && !any_grad;
+    if (graphed) {
+      key.method = "train_step";
+      key.items = rows;
+      key.schedule = static_cast<int>(step.schedule());
+      key.reduction = static_cast<int>(step.reduction());
+      key.input_sizes = inputs[0].tensor.sizes().vec();
+      key.input_dtype = inputs[0].tensor.scalar_type();
+      key.target_sizes = target.sizes().vec();
+      key.target_dtype = target.scalar_type();
+      key.training = self.is_training();
+    } else {
+      return eager(detached, target.detach(), self.options.worker_threads());
+    }
+    return run_step(key, graphed, detached[0].tensor, target.detach(),
+                    [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                      return eager({x}, y, threaded);
+                    });
+  });
+}
+
+at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input>& inputs,
+                                                         int64_t T, const at::Tensor& target,
+                                                         const LossFunction& loss_fn,
+                                                         bool graphable_call) {
+  detail::batch_size("constant_train_step", inputs, 0);
+  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
+              "must be positive, got ", T);
+  TORCH_CHECK(static_cast<bool>(loss_fn),
+              "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  check_grad_mode("constant_train_step");
+  const size_t last = devices.size() - 1;
+  auto eager = [&](const Tensors& in, const at::Tensor& tgt, bool threaded) {
+    detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
+    const Tensors outs =
+        run_constant("constant_train_step", in, T, /*reduce=*/true, threaded, &positions);
+    TORCH_CHECK(outs.size() == 1, "mpipe::ModelPipeline::constant_train_step: the last stage "
+                "returned ", outs.size(), " tensors; loss_fn takes one");
+    struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
+      detail::Executor& executor;
+      bool done = false;
+      ~JoinOnError() {
+        if (done) return;
+        try {
+          executor.join();
+        } catch (...) {  // the first error is the one to report
+        }
+      }
+    } join_on_error{executor};
+    at::Tensor loss;
+    {
+      // The loss and the backward call run on the last stage's stream, as in
+      // train_step; the caller's stream waits for them below.
+      c10::OptionalStreamGuard last_stage(executor.compute_stream(last));
+      loss = call_loss(loss_fn, outs[0], tgt, "constant_train_step");
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
+                  "value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      std::string failure;
+      try {
+        torch::autograd::backward({loss});
+      } catch (const c10::Error& e) {
+        failure = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty()) {
+        const auto position = positions.last();
+        TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
+                    position.first, " (on ", devices[static_cast<size_t>(position.first)],
+                    ") failed at backward of time step ", position.second, " of ", T, ": ",
+                    failure);
+        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
+                    "before reaching a stage (in the loss's backward): ", failure);
+      }
+    }
+    join_on_error.done = true;
+    executor.join();  // the caller's streams wait for the stage streams
+    if (const auto s = executor.compute_stream(last)) {
+      detail::record_on(loss, detail::current_stream(s->device()));  // used there now
+    }
+    return loss.detach();
+  };
+  return guarded("constant_train_step", [&] {
+    // The rollback (guarded) is set up before ResetAfter, so a failed step
+    // ends with the state of its start, not reset (Note [State snapshots]).
+    reset_states(self);
+    struct ResetAfter {  // state does not outlive the step, whatever happens
+      torch::nn::Module& m;
+      ~ResetAfter() { reset_states(m); }
+    } reset_after{self};
+    const Tensors in = detail::tensors_of(inputs);
+    if (!(graphable_call && inputs.size() == 1)) {
+      return eager(in, target, self.options.worker_threads());
+    }
+    GraphKey key;
+    key.method = "constant_train_step";
+    key.items = T;
+    key.input_sizes = in[0].sizes().vec();
+    key.input_dtype = in[0].scalar_type();
+    if (target.defined()) {
+      key.target_sizes = target.sizes().vec();
+      key.target_dtype = target.scalar_type();
+    }
+    key.training = self.is_training();
+    // x keeps its autograd identity (its gradient is accumulated if it
+    // requires one); such a step is never graphed.
+    return run_step(key, true, in[0], target,
+                    [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                      return eager({x}, y, threaded);
+                    });
+  });
+}
+
+}  // namespace mpipe

@@ -1,0 +1,110 @@
+#pragma once
+
+// Private: how an item's tensors move between stages (Note [Transport]).
+
+#include "mpipe/tensors.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/util/Optional.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+class Recorder;
+
+/// Where a stage runs: its device and, on an accelerator, the stream all its
+/// kernels are launched on (none for CPU stages).
+struct StagePlace {
+  c10::Device device;
+  c10::optional<c10::Stream> compute;
+  /// Copies from the previous stage's device, when that is another accelerator.
+  c10::optional<c10::Stream> copy_in;
+};
+
+/// What is being moved: an item's activations (to the next stage), the
+/// gradients of a stage's inputs (to the previous stage), a stashed skip tensor
+/// (to the stage that pops it) or a skip's gradient (back to the stasher).
+struct Key {
+  enum Kind { Activation, Gradient, Skip, SkipGradient };
+  Kind kind;
+  int64_t item;
+  std::string name;  // skips only
+  friend bool operator<(const Key& a, const Key& b) {
+    return std::tie(a.kind, a.item, a.name) < std::tie(b.kind, b.item, b.name);
+  }
+};
+
+/// Thrown by receive() once the call failed elsewhere: stop quietly.
+struct Aborted {};
+
+// Note [Transport]
+// ~~~~~~~~~~~~~~~~
+// The executor never moves a tensor itself: stage `from` send()s what it
+// produced (on its compute stream, or on the host) under a Key, and stage `to`
+// receive()s it, usable on its own stream. Stage -1 is the caller: the call's
+// inputs enter through accept(). A transport decides how values travel and how
+// the consumer is ordered after the producer; schedules and the executor do
+// not know. LocalTransport is the in-process one (Note [Pipeline runtime]); a
+// transport between processes (c10d) implements the same three calls.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  /// Stage `from` hands `values`, computed on its stream, to stage `to` (-1:
+  /// whichever stage receives `key`, as for skips).
+  virtual void send(int64_t from, int64_t to, const Key& key, Tensors values) = 0;
+  /// What was sent under `key`, on stage `to`'s device and usable on its
+  /// stream. Blocks until it arrives when the call runs threaded; throws
+  /// Aborted once abort() was called.
+  virtual Tensors receive(int64_t to, const Key& key) = 0;
+  /// The call failed: every receive, waiting or not, throws Aborted.
+  virtual void abort() = 0;
+};
+
+/// Stages in one process: per-stage streams, events and record_stream.
+class LocalTransport : public Transport {
+ public:
+  /// `blocking`: receive waits for a send (threaded calls); otherwise the
+  /// schedule's order guarantees that it came first. Copies are recorded on
+  /// `recorder` when it is set.
+  LocalTransport(const std::vector<StagePlace>& stages, bool blocking, Recorder* recorder);
+
+  void send(int64_t from, int64_t to, const Key& key, Tensors values) override;
+  Tensors receive(int64_t to, const Key& key) override;
+  void abort() override;
+
+  /// The caller's `values`, ready once `ready` (recorded on the caller's
+  /// stream; null for host values) fires, made usable by stage `to`.
+  Tensors accept(int64_t to, int64_t item, Tensors values,
+                 const std::shared_ptr<c10::Event>& ready) const;
+
+ private:
+  struct Parcel {
+    Tensors values;
+    std::shared_ptr<c10::Event> ready;  // null: ready on the host
+  };
+  at::Tensor move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready, int64_t to,
+                  int64_t item) const;
+
+  const std::vector<StagePlace>& stages_;
+  const bool blocking_;
+  Recorder* const recorder_;
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  /// By receiving stage (-1 for skips: whichever stage pops them) and key.
+  std::map<std::pair<int64_t, Key>, Parcel> parcels_;
+  bool aborted_ = false;
+};
+
+}  // namespace detail
+}  // namespace mpipe
