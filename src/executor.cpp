@@ -209,16 +209,24 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
   Tensors out;
   {
     RngScope draws(run.rng, j, i);
+    std::map<std::string, at::Tensor> own;  // training: this stage's stashes, as stashed
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) {
           run.skips.stash(name, i, j);
-          if (sv && !ckpt) sv->stashed[name] = t;
+          if (sv) {
+            own[name] = t;
+            if (!ckpt) sv->stashed[name] = t;
+          }
           run.transport->send(j, -1, Key{Key::Skip, i, name}, {sv ? t.detach() : t});
         },
         [&](const std::string& name) {
           const int64_t from = run.skips.pop(name, i, j);
           at::Tensor t = run.transport->receive(j, Key{Key::Skip, i, name})[0];
-          if (sv) {
+          if (sv && from == j) {
+            // Stashed and popped by this stage: no boundary for the gradient to cross.
+            t = own.at(name);
+            sv->stashed.erase(name);
+          } else if (sv) {
             t = leaf(t, true);
             sv->popped[name] = t;
             sv->popped_from[name] = from;
@@ -298,9 +306,13 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
         [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
         [&](const std::string& name) {
           auto it = sv.popped.find(name);
-          TORCH_CHECK(it != sv.popped.end(), "pop('", name,
+          if (it != sv.popped.end()) return it->second;
+          auto own = stashed.find(name);  // stashed by this stage's recompute
+          TORCH_CHECK(own != stashed.end(), "pop('", name,
                       "'): the recompute popped a name its forward did not");
-          return it->second;
+          at::Tensor t = own->second;
+          stashed.erase(own);
+          return t;
         });
     Tensors out = (*run.forwards)[static_cast<size_t>(j)](sv.inputs);
     if (last) {

@@ -2,6 +2,7 @@
 #include "mpipe/state.h"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
 namespace mpipe {
 

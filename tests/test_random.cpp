@@ -4,7 +4,7 @@
 
 #include "common.h"
 
-#include <mpipe/snn/encoding.h>
+#include <mpipe/snn/poisson_encoder.h>
 
 #include <functional>
 #include <string>

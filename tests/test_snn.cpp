@@ -398,3 +398,71 @@ TEST(Encoding, RateDecoding) {
   MPIPE_EXPECT_ERROR(mpipe::snn::rate_from_sum(summed, 0), "T must be positive");
   MPIPE_EXPECT_ERROR(mpipe::snn::rate_mse_loss(rate, torch::tensor({1})), "labels [2]");
 }
+
+TEST(Neurons, FusedKernelMatchesTheATenPath_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  using mpipe::snn::IFNodeOptions;
+  using mpipe::snn::LIFNodeOptions;
+  using mpipe::snn::Surrogate;
+  const torch::Device g("cuda:0");
+  torch::manual_seed(21);
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (int variant = 0; variant < 5; ++variant) {
+      SCOPED_TRACE("dtype " + std::string(c10::toString(dtype)) + ", variant " +
+                   std::to_string(variant));
+      auto make = [&](bool fused) -> torch::nn::AnyModule {
+        switch (variant) {
+          case 0: return torch::nn::AnyModule(mpipe::snn::LIFNode(LIFNodeOptions().fused(fused)));
+          case 1:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().v_reset(std::nullopt).surrogate(Surrogate::atan()).fused(fused)));
+          case 2:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().decay_input(false).detach_reset(true).v_reset(-0.25).fused(
+                    fused)));
+          case 3:
+            return torch::nn::AnyModule(
+                mpipe::snn::IFNode(IFNodeOptions().v_threshold(0.75).fused(fused)));
+          default:
+            return torch::nn::AnyModule(mpipe::snn::IFNode(
+                IFNodeOptions().v_reset(std::nullopt).detach_reset(true).surrogate(
+                    Surrogate::atan(3.0)).fused(fused)));
+        }
+      };
+      const int64_t T = 8;
+      auto w = torch::randn({T, 64, 33}, torch::TensorOptions(g).dtype(dtype));
+      auto run = [&](bool fused, torch::Tensor& grad) {
+        auto node = make(fused);
+        auto wg = w.clone().requires_grad_();
+        std::vector<torch::Tensor> out;
+        for (int64_t t = 0; t < T; ++t) out.push_back(node.forward(wg[t] * 1.3));
+        auto spikes = torch::stack(out);
+        auto weights = torch::arange(1, T + 1, torch::TensorOptions(g).dtype(dtype)).view({T, 1, 1});
+        (spikes * weights).sum().backward();
+        grad = wg.grad();
+        return spikes;
+      };
+      torch::Tensor g_fused, g_aten;
+      auto s_fused = run(true, g_fused);
+      auto s_aten = run(false, g_aten);
+      EXPECT_GT(s_aten.sum().item<double>(), 0.0) << "the test should make some spikes";
+      expect_close(s_fused, s_aten, 0.0, "spikes");
+      expect_close(g_fused, g_aten, dtype == torch::kDouble ? 1e-10 : 1e-4, "gradients");
+    }
+  }
+}
+
+TEST(Neurons, StateFollowsTheInputAcrossDevices_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  mpipe::snn::LIFNode node;
+  auto x = torch::full({2, 3}, 0.8);
+  auto a = node(x);                                 // v on the CPU
+  auto b = node(x.to(torch::Device("cuda:0")));     // v moves to cuda:0
+  EXPECT_TRUE(b.is_cuda());
+  EXPECT_TRUE(node->membrane_potentials()[0].is_cuda());
+  // Same as two steps on the CPU.
+  mpipe::snn::LIFNode ref;
+  ref(x);
+  expect_close(b, ref(x), 0.0);
+  expect_close(a, torch::zeros({2, 3}), 0.0);
+}

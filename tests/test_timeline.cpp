@@ -180,3 +180,36 @@ TEST(MemoryReport, CountsParametersGradientsAndBuffersPerDevice) {
   EXPECT_NE(text.find("n/a"), std::string::npos) << text;
   EXPECT_NE(text.find("parameters"), std::string::npos) << text;
 }
+
+TEST(Timeline, AndMemoryReportOnTheGpu_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  auto pipe = ModelPipeline(ModelPipelineOptions().record_timeline(true).track_memory(true));
+  for (int j = 0; j < 4; ++j) pipe->append(mlp_stage(256, 256, 4), g);
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+  auto x = torch::randn({512, 256}, g);
+  pipe->train_step(x, torch::zeros({512, 1}, g), loss_fn, 64);
+  const mpipe::Timeline t = pipe->timeline();
+  ASSERT_EQ(t.tasks.size(), 64u);  // 8 micro-batches x 4 stages x (F, B)
+  std::map<std::pair<int64_t, int64_t>, mpipe::TimelineTask> f;
+  for (const auto& task : t.tasks) {
+    EXPECT_EQ(task.device, g);
+    EXPECT_GE(task.start_ms, 0.0);
+    EXPECT_LE(task.start_ms, task.end_ms);
+    if (task.kind == mpipe::TaskKind::Forward) f[{task.stage, task.item}] = task;
+  }
+  for (const auto& kv : f) {  // device times follow the data flow
+    if (kv.first.first > 0) {
+      EXPECT_GE(kv.second.start_ms, f.at({kv.first.first - 1, kv.first.second}).end_ms);
+    }
+  }
+  EXPECT_GT(t.bubble_fraction(), 0.0);
+  EXPECT_LT(t.bubble_fraction(), 1.0);
+  const auto report = pipe->memory_report();
+  ASSERT_EQ(report.devices.size(), 1u);
+  const auto& d = report.devices[0];
+  EXPECT_EQ(d.stages, 4);
+  EXPECT_GT(d.allocated_before_bytes, 0);
+  EXPECT_GT(d.call_peak_bytes(), 0) << "activations were allocated during the step";
+  std::cout << report.to_string();
+}

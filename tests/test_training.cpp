@@ -416,3 +416,49 @@ TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
   auto loss = pipe->constant_train_step(x, 3, torch::Tensor(), mean);
   EXPECT_TRUE(std::isfinite(loss.item<double>()));
 }
+
+// On the GPU, and across GPUs.
+
+namespace {
+
+/// train_step against the plain model on `devices`, for both schedules and
+/// every checkpointing mode.
+void check_train_step(const std::vector<torch::Device>& devices) {
+  torch::manual_seed(13);
+  const int64_t width = 6, batch = 11;
+  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+    for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
+                            mpipe::Checkpoint::Always}) {
+      for (bool threads : {true, false}) {
+        std::vector<torch::nn::Sequential> stages;
+        auto pipe = ModelPipeline(
+            ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
+        for (const auto& d : devices) {
+          stages.push_back(mlp_stage(width, width));
+          stages.back()->to(torch::kDouble);
+          pipe->append(stages.back(), d);
+        }
+        expect_train_step_transparent(
+            pipe, stages, devices, torch::randn({batch, width}, torch::kDouble).to(devices.front()),
+            torch::randn({batch, width}, torch::kDouble).to(devices.back()),
+            [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); },
+            mpipe::TrainStepOptions(3).schedule(schedule));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(TrainStepPlacement, MatchesThePlainModelOnTheGpu_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0"), c(torch::kCPU);
+  check_train_step({g, g, g, g});
+  check_train_step({c, g, c, g});
+}
+
+TEST(TrainStepPlacement, AcrossGpus_MultiCUDA) {
+  MPIPE_REQUIRE_CUDA(2);
+  const torch::Device g0("cuda:0"), g1("cuda:1");
+  check_train_step({g0, g1, g0, g1});
+}

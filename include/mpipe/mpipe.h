@@ -10,7 +10,9 @@
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
+#include <mpipe/skip.h>
 #include <mpipe/state.h>
+#include <mpipe/tensors.h>
 #include <mpipe/timeline.h>
 #include <mpipe/training.h>
 #include <mpipe/version.h>

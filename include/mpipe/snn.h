@@ -5,5 +5,6 @@
 
 #include <mpipe/snn/encoding.h>
 #include <mpipe/snn/neuron.h>
+#include <mpipe/snn/poisson_encoder.h>
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>

@@ -46,11 +46,17 @@
 // error; after a failed call such a module is left where the failure stopped
 // it (reset it with reset_states).
 
-#include <torch/nn/module.h>
+#include <c10/util/Exception.h>
 
 #include <any>
 #include <cstdint>
 #include <vector>
+
+namespace torch {
+namespace nn {
+class Module;  // torch/nn/module.h: not needed here, and costly to parse
+}  // namespace nn
+}  // namespace torch
 
 namespace mpipe {
 

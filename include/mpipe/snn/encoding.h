@@ -1,10 +1,11 @@
 #pragma once
 
-// Encoding inputs as spikes and decoding spikes as rates.
+// Encoding inputs as spikes and decoding spikes as rates (functions only:
+// this header does not pull torch::nn).
 
 #include <ATen/core/Tensor.h>
-#include <torch/nn/module.h>
-#include <torch/nn/pimpl.h>
+
+#include <cstdint>
 
 namespace mpipe {
 namespace snn {
@@ -14,13 +15,7 @@ namespace snn {
 /// [0, 1] (checked; the check reads one value back from the device).
 at::Tensor poisson_encode(const at::Tensor& x);
 
-/// poisson_encode as a module, e.g. the first layer of a pipeline's stage 0.
-/// Each call draws fresh spikes.
-class PoissonEncoderImpl : public torch::nn::Module {
- public:
-  at::Tensor forward(const at::Tensor& x) { return poisson_encode(x); }
-};
-TORCH_MODULE(PoissonEncoder);
+// The module form, PoissonEncoder, is in mpipe/snn/poisson_encoder.h.
 
 /// Firing rate from spikes summed over T steps (constant_forward with
 /// reduce = true): summed / T.

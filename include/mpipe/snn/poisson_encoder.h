@@ -1,0 +1,22 @@
+#pragma once
+
+// snn::PoissonEncoder: poisson_encode (mpipe/snn/encoding.h) as a module.
+
+#include <mpipe/snn/encoding.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace mpipe {
+namespace snn {
+
+/// poisson_encode as a module, e.g. the first layer of a pipeline's stage 0.
+/// Each call draws fresh spikes (reproducibly: README, "Random draws").
+class PoissonEncoderImpl : public torch::nn::Module {
+ public:
+  at::Tensor forward(const at::Tensor& x) { return poisson_encode(x); }
+};
+TORCH_MODULE(PoissonEncoder);
+
+}  // namespace snn
+}  // namespace mpipe

@@ -1,0 +1,226 @@
+// CUDA graphs: graphed forward-type calls and graphed training steps against
+// eager calls on one GPU (_CUDA tests; they skip themselves elsewhere).
+
+#include "common.h"
+
+#include <mpipe/snn.h>
+
+#include <map>
+
+using namespace mpipe_test;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+
+TEST(CudaGraphs, GraphedForwardMatchesEagerForward_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(17);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  for (int i = 0; i < 3; ++i) {
+    auto s = mlp_stage(16, 16);
+    eager->append(s, "cuda:0");
+    graphed->append(s, "cuda:0");  // the same modules: the same parameters
+  }
+  torch::NoGradGuard no_grad;
+  for (int rep = 0; rep < 3; ++rep) {
+    for (int64_t batch : {12, 7}) {  // two shapes: two graphs
+      auto x = torch::randn({batch, 16}, torch::Device("cuda:0"));
+      expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "forward");
+    }
+  }
+  // In-place parameter updates (an optimizer's) reach the replays.
+  for (auto& p : eager->parameters()) p.mul_(0.5);
+  auto x = torch::randn({12, 16}, torch::Device("cuda:0"));
+  expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "after an update");
+  // With gradients on, the call runs eagerly and is differentiable.
+  torch::AutoGradMode grad_on(true);
+  EXPECT_TRUE(graphed->forward(x, 4).requires_grad());
+}
+
+TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(18);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  std::vector<mpipe::snn::LIFNode> neurons;
+  for (int i = 0; i < 4; ++i) {
+    neurons.emplace_back();
+    torch::nn::Linear fc(32, 32);
+    {
+      torch::NoGradGuard no_grad;  // strong enough that every layer fires
+      fc->weight.mul_(3);
+      fc->bias.fill_(1.2);  // spike rate about 0.25 (checked on the CPU)
+    }
+    torch::nn::Sequential s(fc, neurons.back());
+    eager->append(s, "cuda:0");
+    graphed->append(s, "cuda:0");
+  }
+  torch::NoGradGuard no_grad;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto x = torch::rand({8, 32}, torch::Device("cuda:0")) * 2;
+    mpipe::reset_states(*eager);
+    auto want = eager->constant_forward(x, 6);
+    const double rate = want.mean().item<double>() / 6;
+    EXPECT_TRUE(rate > 0.05 && rate < 0.95) << "spike rate " << rate
+                                            << ": too few or too many spikes make the test weak";
+    mpipe::reset_states(*eager);
+    expect_close(graphed->constant_forward(x, 6), want, 1e-6, "constant_forward");
+    for (auto& n : neurons) EXPECT_FALSE(n->holds_state()) << "reset after a graphed call";
+    auto frames = torch::rand({5, 8, 32}, torch::Device("cuda:0")) * 2;
+    mpipe::reset_states(*eager);
+    auto want_seq = eager->sequence_forward(frames);
+    mpipe::reset_states(*eager);
+    expect_close(graphed->sequence_forward(frames), want_seq, 1e-6, "sequence_forward");
+  }
+}
+
+namespace {
+
+/// A deep copy of a Sequential, for a second pipeline with equal parameters.
+torch::nn::Sequential copy_of(const torch::nn::Sequential& s) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s->clone()));
+}
+
+/// Clears or zeroes gradients the ways users do, by step number: set to None,
+/// zeroed in place, or kept (accumulate).
+void prepare_grads(torch::nn::Module& m, int step) {
+  for (auto& p : m.parameters()) {
+    if (!p.grad().defined()) continue;
+    if (step % 3 == 0) p.mutable_grad() = torch::Tensor();
+    if (step % 3 == 1) p.mutable_grad().zero_();
+  }
+}
+
+}  // namespace
+
+TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+    torch::manual_seed(19);
+    auto eager = ModelPipeline();
+    auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+    for (int i = 0; i < 3; ++i) {
+      auto s = mlp_stage(16, 16);
+      auto c = copy_of(s);
+      if (i == 1) {  // a parameter the step never uses: its .grad must stay None
+        s->register_parameter("unused", torch::zeros({3}));
+        c->register_parameter("unused", torch::zeros({3}));
+      }
+      eager->append(s, g);
+      graphed->append(c, g);
+    }
+    torch::optim::SGD opt_eager(eager->parameters(), 0.1), opt_graphed(graphed->parameters(), 0.1);
+    auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& t) {
+      return (y - t).pow(2).mean();
+    };
+    const auto options = mpipe::TrainStepOptions(4).schedule(schedule);
+    for (int step = 0; step < 7; ++step) {
+      const int64_t batch = step == 5 ? 9 : 12;  // a second shape: a second graph
+      auto x = torch::randn({batch, 16}, g), t = torch::randn({batch, 16}, g);
+      prepare_grads(*eager, step);
+      prepare_grads(*graphed, step);
+      auto want = eager->train_step(x, t, loss_fn, options);
+      auto got = graphed->train_step(x, t, loss_fn, options);
+      const std::string what = "step " + std::to_string(step);
+      expect_close(got, want, 1e-5, what + ": loss");
+      expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+      opt_eager.step();  // in-place updates reach the replays
+      opt_graphed.step();
+    }
+    // Step 0 warmed up, step 1 captured; the batch of 9 ran eagerly once.
+    EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      EXPECT_FALSE(m->named_parameters()["stages.1.unused"].grad().defined());
+    }
+    // Freezing a stage after the capture: the graph is captured again and the
+    // frozen parameters get no gradient.
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+      for (auto& p : m->named_parameters()) {
+        if (p.key().rfind("stages.0.", 0) == 0) p.value().requires_grad_(false);
+      }
+    }
+    for (int rep = 0; rep < 3; ++rep) {  // warm-up, capture, replay
+      auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+      expect_close(graphed->train_step(x, t, loss_fn, options),
+                   eager->train_step(x, t, loss_fn, options), 1e-5, "frozen stage 0: loss");
+      expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+      EXPECT_FALSE(graphed->named_parameters()["stages.0.0.weight"].grad().defined());
+      for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                      static_cast<torch::nn::Module*>(graphed.get())}) {
+        for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+      }
+    }
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.requires_grad_(true);
+    }
+    // An input that requires grad runs eagerly and gets its gradient.
+    {
+      auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+      auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+      expect_close(graphed->train_step(x1, t, loss_fn, options),
+                   eager->train_step(x2, t, loss_fn, options), 1e-5, "input grad: loss");
+      expect_close(x1.grad(), x2.grad(), 1e-5, "grad of the input");
+    }
+    // A .grad the user replaced by another tensor is honoured, too.
+    auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+    for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
+                    static_cast<torch::nn::Module*>(graphed.get())}) {
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::full_like(p, 0.25);
+    }
+    expect_close(graphed->train_step(x, t, loss_fn, options),
+                 eager->train_step(x, t, loss_fn, options), 1e-5, "replaced grads: loss");
+    expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+  }
+}
+
+TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(20);
+  auto eager = ModelPipeline();
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  for (int i = 0; i < 4; ++i) {
+    torch::nn::Linear fc(32, 32);
+    {
+      torch::NoGradGuard no_grad;  // strong enough that every layer fires
+      fc->weight.mul_(3);
+      fc->bias.fill_(1.2);
+    }
+    // Equal weights, separate modules (neurons are not Cloneable).
+    auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
+    eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
+    graphed->append(torch::nn::Sequential(torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()), g);
+  }
+  torch::optim::SGD opt_eager(eager->parameters(), 0.05);
+  torch::optim::SGD opt_graphed(graphed->parameters(), 0.05);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& labels) {
+    return torch::cross_entropy_loss(out / 6, labels);
+  };
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::rand({8, 32}, g) * 2;
+    auto labels = torch::randint(0, 32, {8}, torch::TensorOptions(g).dtype(torch::kLong));
+    prepare_grads(*eager, step);
+    prepare_grads(*graphed, step);
+    {
+      torch::NoGradGuard no_grad;
+      mpipe::reset_states(*eager);
+      const double rate = eager->constant_forward(x, 6).mean().item<double>() / 6;
+      EXPECT_TRUE(rate > 0.05 && rate < 0.95) << "spike rate " << rate;
+    }
+    auto want = eager->constant_train_step(x, 6, labels, loss_fn);
+    auto got = graphed->constant_train_step(x, 6, labels, loss_fn);
+    expect_close(got, want, 1e-5, "step " + std::to_string(step) + ": loss");
+    expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
+    double grad_norm = 0;
+    for (auto& p : graphed->parameters()) grad_norm += p.grad().norm().item<double>();
+    EXPECT_GT(grad_norm, 0) << "surrogate gradients flow";
+    opt_eager.step();
+    opt_graphed.step();
+  }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+}
