@@ -23,7 +23,7 @@ namespace detail {
 // captured once per (method, arguments, input shape and dtype) and replayed
 // afterwards, which removes the host's per-op cost. The capture runs the call
 // from the caller's thread (no worker threads) on a side stream; the runtime's
-// fork and join (Note [Pipeline runtime]) bring every stage stream into the
+// fork and join (Note [One runtime]) bring every stage stream into the
 // capture and back, so the graph keeps the stages' concurrency. A replay reads
 // a static input (the call's input is copied in) and the caller gets a copy
 // of the static output. Stateful modules start every graphed call from their

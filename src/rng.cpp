@@ -184,8 +184,10 @@ void install() {
   static std::once_flag once;
   std::call_once(once, [] {
     auto& dispatcher = c10::Dispatcher::singleton();
-    // Leaked on purpose: the registrations live as long as the process.
-    auto* handles = new std::vector<c10::RegistrationHandleRAII>();
+    // The registrations live as long as the process: never destroyed (the
+    // dispatcher may be gone at exit), and held by a static, so LeakSanitizer
+    // sees them reachable.
+    static auto* handles = new std::vector<c10::RegistrationHandleRAII>();
     const auto kernel = c10::KernelFunction::makeFromBoxedFunction<&draw_kernel>();
     for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
       if (name.name.rfind("aten::", 0) != 0) continue;

@@ -152,6 +152,7 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
       c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
       for (const auto& l : spec.losses) loss_sum = loss_sum.defined() ? loss_sum + l : l;
     }
+    executor.join();  // the caller's streams wait for the sum too (and a graph capture joins it)
     // Parameter gradients and the loss are used on the caller's streams now.
     for (size_t j = 0; j < devices.size(); ++j) {
       for (const auto& p : stages->ptr(j)->parameters()) detail::record_on_current(p.grad());

@@ -59,7 +59,22 @@ Tensors LocalTransport::accept(int64_t to, int64_t item, Tensors values,
   return values;
 }
 
-// The rules of Note [Pipeline runtime], one tensor at a time.
+// Note [Hand-offs]
+// ~~~~~~~~~~~~~~~~
+// Every CUDA stage launches its kernels on a compute stream of its own, so
+// stages that share a GPU still overlap. A value crosses from its producer to
+// stage `to` after the event recorded on the producer's stream (`ready`):
+//  - same CUDA device: the consumer's stream waits for the event, and the value
+//    is record_stream'ed on it (the allocator must not reuse its memory while
+//    the consumer may still read it);
+//  - CPU -> CUDA: a non-blocking copy on the consumer's stream;
+//  - CUDA -> CPU: the source device's copy stream waits for the event, then a
+//    blocking copy (the CPU stage needs the values);
+//  - CUDA -> other CUDA: the copy stream of the boundary waits for the event
+//    and copies with the consumer's stream current on the destination, so
+//    ATen orders the consumer after the copy; the source is record_stream'ed
+//    on the copy stream.
+// No host sync happens on an all-GPU pipeline. Copies are timeline tasks.
 at::Tensor LocalTransport::move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready,
                                 int64_t to, int64_t item) const {
   const StagePlace& stage = stages_[static_cast<size_t>(to)];

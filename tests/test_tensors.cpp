@@ -341,7 +341,8 @@ struct Up2Impl : torch::nn::Module {
   Up2Impl() { leaky = register_module("leaky", Leaky(W)); }
   torch::Tensor forward(const torch::Tensor& x) {
     if (*fault == SkipFault::PopMissing) mpipe::pop("nowhere");
-    return leaky(x) * mpipe::pop("enc1");
+    // .to(): outside a pipeline pop returns the tensor where it was stashed.
+    return leaky(x) * mpipe::pop("enc1").to(x.device());
   }
   Leaky leaky{nullptr};
   std::shared_ptr<SkipFault> fault;
@@ -352,7 +353,7 @@ struct Up3Impl : torch::nn::Module {
   Up3Impl() { fc = register_module("fc", torch::nn::Linear(W, 2)); }
   torch::Tensor forward(const torch::Tensor& x) {
     if (*fault == SkipFault::NeverPopped) return fc(x);
-    return fc(x + mpipe::pop("enc0"));
+    return fc(x + mpipe::pop("enc0").to(x.device()));
   }
   torch::nn::Linear fc{nullptr};
   std::shared_ptr<SkipFault> fault;

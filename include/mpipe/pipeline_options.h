@@ -12,7 +12,7 @@ struct ModelPipelineOptions {
   /// Run each stage's host work (kernel launches, CPU compute) on a worker
   /// thread of its own, so stages issue work concurrently. When false, the
   /// caller's thread runs every task in the schedule's clock order; results are
-  /// the same either way (see Note [Pipeline runtime]).
+  /// the same either way (docs/design.md, "One runtime").
   TORCH_ARG(bool, worker_threads) = true;
   /// Activation checkpointing in train_step (only in training mode): a
   /// checkpointed stage keeps just its input in forward and runs again in

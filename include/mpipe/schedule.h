@@ -2,7 +2,7 @@
 
 // Pure schedule functions: which stage runs which item (micro-batch or time
 // step) at each clock tick. They hold no tensors and no threads, so they are
-// tested exactly; the runtime follows them (see Note [Pipeline runtime]).
+// tested exactly; the runtime follows them (docs/design.md, "One runtime").
 
 #include <algorithm>
 #include <cstdint>
