@@ -58,6 +58,20 @@ def rows(m, s):
                     yield name, kind + label, mw[key], ref, plain, floor
 
 
+def failures(m, s):
+    """Every variant that reported an error instead of a time: (where, key, message)."""
+    out = []
+    for source, data in (("mpipe", m.get("workloads", {})), ("reference class", s)):
+        for name, w in sorted(data.items()):
+            for r in (w if isinstance(w, list) else [w]):
+                if not isinstance(r, dict):
+                    continue
+                for key, value in sorted(r.items()):
+                    if key.endswith("_error"):
+                        out.append((f"{source} {name}", key[: -len("_error")], str(value)))
+    return out
+
+
 def main():
     m = json.load(open(sys.argv[1]))
     text = open(sys.argv[2]).read()
@@ -102,6 +116,16 @@ def main():
             above = ", ".join(f"{v:.0f}" for v in r.get("step_peak_above_baseline_mib", {}).values())
             print(f"| {r['mode']} | {peaks} | {r['before_step_mib']:.0f} | {above} | "
                   f"{r['train_ms']:.1f} |")
+    failed = failures(m, s)
+    if failed:
+        print()
+        print("| variant that failed | key | error |")
+        print("|---|---|---|")
+        for where, key, message in failed:
+            print(f"| {where} | {key} | {message.splitlines()[0][:200] if message else ''} |")
+        print(f"compare.py: {len(failed)} variant(s) reported an error instead of a time",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

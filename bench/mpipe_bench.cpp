@@ -65,8 +65,10 @@ struct Timer {
     std::sort(ms.begin(), ms.end());
     return ms.size() % 2 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
   }
+  /// Waits for every GPU, not just the current one: stages may sit on several.
   void sync() const {
-    if (cuda) torch::cuda::synchronize();
+    if (!cuda) return;
+    for (int64_t d = 0; d < mpipe::cuda_device_count(); ++d) torch::cuda::synchronize(d);
   }
 };
 

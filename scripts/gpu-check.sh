@@ -12,7 +12,7 @@
 # (few files, since a device call brings back at most 8), plus the benchmark's
 # JSON and compare.md. Header-only extras that machine lacks (CLI11, zlib's
 # headers) may be carried in .devdata/include.
-set -uo pipefail
+set -uo pipefail  # each step's pipeline fails with its first failing command
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mpipe-gpu}
 mkdir -p "$out"
@@ -28,46 +28,63 @@ if [ ! -f /usr/include/zlib.h ] && [ -f .devdata/include/zlib.h ]; then
   extra+=("-DZLIB_INCLUDE_DIR=$PWD/.devdata/include" "-DZLIB_LIBRARY=$libz")
 fi
 status=0
+failed=()
+# Runs a step; its failure (any command of a pipeline) fails the script at the end.
+step() {
+  local name=$1
+  shift
+  if ! "$@"; then
+    failed+=("$name")
+    status=1
+  fi
+}
 bash scripts/build.sh "-DCMAKE_PREFIX_PATH=$prefix;$PWD/.devdata" "${extra[@]}" > "$out/build.log" 2>&1 \
   || { tail -n 60 "$out/build.log"; exit 1; }
 bin=$MPIPE_BUILD_DIR
 if [[ " $steps " == *" tests "* ]]; then
-  (cd "$bin" && ctest --output-on-failure -j 8) 2>&1 | tee -a "$log"
-  status=${PIPESTATUS[0]}
-  "$bin/tests/mpipe_tests" --gtest_filter='*CUDA*' 2>&1 | tee -a "$log"
+  step ctest bash -o pipefail -c "cd '$bin' && ctest --output-on-failure -j 8 2>&1 | tee -a '$log'"
+  step gpu-tests bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='*CUDA*' 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" mlp "* ]]; then
-  "$bin/examples/pipelined_mlp/pipelined_mlp" 2>&1 | tee -a "$log"
+  step pipelined_mlp bash -o pipefail -c "'$bin/examples/pipelined_mlp/pipelined_mlp' 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" mlpfm "* ]]; then
-  # shellcheck disable=SC2086
-  timeout "${MPIPE_MLP_TIMEOUT:-300}" "$bin/examples/mlp_fashion_mnist/mlp_fashion_mnist" \
-    --data .devdata/fashion-mnist --out /tmp/mlp_out ${MPIPE_MLP_FLAGS:-} 2>&1 | tee -a "$log"
+  step mlp_fashion_mnist bash -o pipefail -c "timeout ${MPIPE_MLP_TIMEOUT:-300} \
+    '$bin/examples/mlp_fashion_mnist/mlp_fashion_mnist' --data .devdata/fashion-mnist \
+    --out /tmp/mlp_out ${MPIPE_MLP_FLAGS:-} 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" bench "* ]]; then
   # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
-  # shellcheck disable=SC2086
-  "$bin/bench/mpipe_bench" --json "$out/mpipe_bench.json" ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+  step mpipe_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --json '$out/mpipe_bench.json' \
+    ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
   if [ -z "${MPIPE_BENCH_ARGS:-}" ]; then
-    PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py --json "$out/seed_bench.json" 2>&1 | tee -a "$log"
-    python3 bench/compare.py "$out/mpipe_bench.json" "$out/seed_bench.json" | tee "$out/compare.md"
+    step bench_seed bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py \
+      --json '$out/seed_bench.json' 2>&1 | tee -a '$log'"
+    # compare.py fails when a variant reported an error instead of a time.
+    step compare bash -o pipefail -c "python3 bench/compare.py '$out/mpipe_bench.json' \
+      '$out/seed_bench.json' | tee '$out/compare.md'"
   fi
 fi
 if [[ " $steps " == *" scaling "* ]]; then
   # wide-mlp's training throughput on 1, 2 and 4 GPUs, mpipe and the reference class (issue 7).
-  "$bin/bench/mpipe_bench" --only scaling --json "$out/scaling.json" 2>&1 | tee -a "$log"
-  PYTHONUNBUFFERED=1 python3 bench/seed_scaling.py .devdata/seed --json "$out/seed_scaling.json" 2>&1 | tee -a "$log"
-  python3 bench/compare.py "$out/scaling.json" /dev/null "$out/seed_scaling.json" 2>&1 | tee -a "$out/compare.md"
+  step scaling bash -o pipefail -c "'$bin/bench/mpipe_bench' --only scaling --json '$out/scaling.json' 2>&1 \
+    | tee -a '$log'"
+  step seed_scaling bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 bench/seed_scaling.py .devdata/seed \
+    --json '$out/seed_scaling.json' 2>&1 | tee -a '$log'"
+  step compare_scaling bash -o pipefail -c "python3 bench/compare.py '$out/scaling.json' /dev/null \
+    '$out/seed_scaling.json' 2>&1 | tee -a '$out/compare.md'"
 fi
 if [[ " $steps " == *" soak "* ]]; then
   # Memory and threads over many calls (docs/RELIABILITY.md); extra flags in MPIPE_SOAK_ARGS.
-  # shellcheck disable=SC2086
-  timeout "${MPIPE_SOAK_TIMEOUT:-400}" "$bin/bench/mpipe_soak" --json "$out/soak_gpu.json" \
-    ${MPIPE_SOAK_ARGS:-} 2>&1 | tee -a "$log"
+  step soak bash -o pipefail -c "timeout ${MPIPE_SOAK_TIMEOUT:-400} '$bin/bench/mpipe_soak' \
+    --json '$out/soak_gpu.json' ${MPIPE_SOAK_ARGS:-} 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" snn "* ]]; then
-  # shellcheck disable=SC2086
-  timeout "${MPIPE_SNN_TIMEOUT:-540}" "$bin/examples/snn_fashion_mnist/snn_fashion_mnist" \
-    --data .devdata/fashion-mnist --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a "$log"
+  step snn_fashion_mnist bash -o pipefail -c "timeout ${MPIPE_SNN_TIMEOUT:-540} \
+    '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' --data .devdata/fashion-mnist \
+    --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a '$log'"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu-check: failed steps: ${failed[*]}" | tee -a "$log"
 fi
 exit "$status"

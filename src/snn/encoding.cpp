@@ -10,7 +10,9 @@ namespace snn {
 at::Tensor poisson_encode(const at::Tensor& x) {
   TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
               "mpipe::snn::poisson_encode: x must be a floating-point tensor of probabilities");
-  if (x.numel() > 0) {
+  // Checking the range reads a value back, a host sync: done for host tensors
+  // only, so an encoder on a GPU stage stays asynchronous and capturable.
+  if (x.numel() > 0 && x.device().is_cpu()) {
     const bool outside = at::logical_or(x.lt(0), x.gt(1)).any().item<bool>();
     TORCH_CHECK(!outside, "mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [",
                 x.min().item<double>(), ", ", x.max().item<double>(), "]");

@@ -11,8 +11,10 @@ namespace mpipe {
 namespace snn {
 
 /// Poisson (Bernoulli-per-step) encoding: 1 where uniform noise < x, else 0,
-/// in x's dtype. x holds firing probabilities, so every value must lie in
-/// [0, 1] (checked; the check reads one value back from the device).
+/// in x's dtype. x holds firing probabilities in [0, 1]. On the CPU a value
+/// outside is refused; on a GPU it is not checked (the check would sync the
+/// host and prevent CUDA-graph capture): there values below 0 never fire and
+/// values above 1 always fire.
 at::Tensor poisson_encode(const at::Tensor& x);
 
 // The module form, PoissonEncoder, is in mpipe/snn/poisson_encoder.h.
