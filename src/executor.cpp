@@ -60,6 +60,46 @@ namespace detail {
 // (ThreadSanitizer could not order such a destruction: the exception's
 // reference count lives in uninstrumented libstdc++).
 
+// Note [Shared streams and workers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Stage streams and worker threads belong to the process, not to a pipeline:
+// the k-th stage on a device computes on that device's k-th shared compute
+// stream, copies use shared copy streams, and stage k's program runs on shared
+// worker k. Per-pipeline streams and threads leaked GPU memory: LibTorch keeps
+// a cuBLAS workspace per (handle, stream) pair for the life of the process,
+// and handles are per thread, so every pipeline with fresh streams and fresh
+// threads added workspaces (about 260 MiB per 4-stage pipeline on an H200)
+// until the 32 pool streams per device were used up. With shared streams and
+// workers the pairs repeat and memory stays flat however many pipelines a
+// program builds.
+//
+// Pipelines called at the same time from different threads share the
+// workers. A call queues all its stage programs under one process-wide lock,
+// so every worker sees calls in the same order and a call's programs never
+// wait behind a later call's (which could deadlock: A's stage 0 waiting for
+// A's stage 1, queued behind B's stage 1, waiting for B's stage 0, queued
+// behind A's). Such calls therefore run one after the other on the workers,
+// as their GPU work would on shared streams. A call made from inside a stage
+// (on a worker thread) runs inline, so it never waits for its own worker.
+
+namespace {
+thread_local bool t_on_worker = false;
+
+std::mutex& queue_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+/// Shared worker k, started at first use and never destroyed.
+Worker& shared_worker(size_t k) {
+  static std::mutex mutex;
+  static auto* workers = new std::vector<std::unique_ptr<Worker>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  while (workers->size() <= k) workers->push_back(std::make_unique<Worker>());
+  return *(*workers)[k];
+}
+}  // namespace
+
 Worker::Worker() : thread_([this] { loop(); }) {}
 
 Worker::~Worker() {
@@ -80,6 +120,7 @@ void Worker::push(std::function<void()> fn) {
 }
 
 void Worker::loop() {
+  t_on_worker = true;
   for (;;) {
     std::function<void()> fn;
     {
@@ -168,11 +209,20 @@ Executor::~Executor() = default;
 
 void Executor::add_stage(c10::Device device) {
   StagePlace stage{device, c10::nullopt, c10::nullopt};
-  if (!device.is_cpu()) stage.compute = pool_stream(device);
+  // Note [Shared streams and workers]: the k-th stage on a device, the k-th
+  // boundary leaving a device.
+  size_t on_device = 0;
+  for (const auto& s : stages_) on_device += s.device == device;
+  if (!device.is_cpu()) stage.compute = shared_stream(device, StreamRole::Compute, on_device);
   if (!stages_.empty()) {
     const c10::Device prev = stages_.back().device;
-    if (!prev.is_cpu() && prev != device) stage.copy_in = pool_stream(prev);
+    size_t from_prev = 0;
+    for (const auto& s : stages_) from_prev += s.copy_in && s.copy_in->device() == prev;
+    if (!prev.is_cpu() && prev != device) {
+      stage.copy_in = shared_stream(prev, StreamRole::Copy, from_prev);
+    }
   }
+
   stages_.push_back(stage);
 }
 
@@ -418,6 +468,7 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   auto run = std::make_shared<Run>();
   run->call = &call;
   run->forwards = &forwards;
+  if (t_on_worker) threaded = false;  // a call from inside a stage (Note [Shared streams and workers])
   run->transport = std::make_unique<LocalTransport>(stages_, threaded, call.recorder);
   for (const auto& t : call.caller_tensors) {
     if (!t.defined() || t.device().is_cpu() || run->entries.count(t.device().str())) continue;
@@ -433,9 +484,9 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   fork();
 
   if (threaded) {
-    while (workers_.size() < stages_.size()) workers_.push_back(std::make_unique<Worker>());
+    std::lock_guard<std::mutex> queue_lock(queue_mutex());  // Note [Shared streams and workers]
     for (int64_t j = 0; j < n_stages; ++j) {
-      workers_[static_cast<size_t>(j)]->push([this, r = run, j]() mutable {
+      shared_worker(static_cast<size_t>(j)).push([this, r = run, j]() mutable {
         run_program(*r, j);
         Run& done = *r;
         r.reset();  // before the caller can move on (Note [Call ownership])
@@ -444,6 +495,8 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
         done.done.notify_all();
       });
     }
+  }
+  if (threaded) {
     std::unique_lock<std::mutex> lock(run->mutex);
     run->done.wait(lock, [&] { return run->finished == n_stages; });
   } else {

@@ -97,7 +97,8 @@ struct CallSpec {
   Recorder* recorder = nullptr;
 };
 
-/// A thread that runs queued tasks in order.
+/// A thread that runs queued tasks in order. Workers are shared by every
+/// pipeline of the process (Note [Shared streams and workers]).
 class Worker {
  public:
   Worker();
@@ -149,7 +150,6 @@ class Executor {
                                       int64_t item) const;
 
   std::vector<StagePlace> stages_;
-  std::vector<std::unique_ptr<Worker>> workers_;
 };
 
 }  // namespace detail

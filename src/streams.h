@@ -17,6 +17,13 @@ inline c10::Stream pool_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
 }
 
+/// What a process-wide stream is for (Note [Shared streams and workers]).
+enum class StreamRole { Compute, Copy };
+
+/// The process's stream for (`device`, `role`, `slot`), taken from the device's
+/// pool at first use and the same for every pipeline afterwards.
+c10::Stream shared_stream(c10::Device device, StreamRole role, size_t slot);
+
 inline c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }

@@ -92,7 +92,9 @@ at::Tensor LocalTransport::move(const at::Tensor& value, const std::shared_ptr<c
     return value.to(stage.device, /*non_blocking=*/true);
   }
   const c10::Stream copy =
-      stage.copy_in && stage.copy_in->device() == src ? *stage.copy_in : pool_stream(src);
+      stage.copy_in && stage.copy_in->device() == src
+          ? *stage.copy_in
+          : shared_stream(src, StreamRole::Copy, 0);  // a skip from a stage further back
   if (ready) ready->block(copy);
   if (stage.device.is_cpu()) {
     c10::StreamGuard guard(copy);
