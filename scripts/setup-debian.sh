@@ -5,8 +5,10 @@ set -euo pipefail
 
 [ "${MPIPE_SKIP_APT:-0}" = 1 ] && exit 0
 
-packages=(cmake ninja-build g++ ccache libtorch-dev libgtest-dev libbenchmark-dev
-          libgloo-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libexpat1-dev dataset-fashion-mnist)
+packages=(cmake ninja-build g++ ccache libgtest-dev libbenchmark-dev
+          libcli11-dev nlohmann-json3-dev zlib1g-dev libexpat1-dev dataset-fashion-mnist)
+# Debian's LibTorch (CPU only), unless the build uses another one (scripts/build.sh).
+[ "${MPIPE_SKIP_LIBTORCH_DEB:-0}" = 1 ] || packages+=(libtorch-dev libgloo-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,30 +11,55 @@ using namespace mpipe_test;
 using mpipe::ModelPipeline;
 using mpipe::ModelPipelineOptions;
 
+namespace {
+
+/// Identity that counts how often its host code runs: a CUDA-graph replay
+/// runs none, so an unchanged count proves a replay, a grown one an eager run.
+struct HostCallsImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    return x;
+  }
+  int64_t calls = 0;
+};
+TORCH_MODULE(HostCalls);
+
+}  // namespace
+
 TEST(CudaGraphs, GraphedForwardMatchesEagerForward_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   torch::manual_seed(17);
   auto eager = ModelPipeline();
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  HostCalls host;
   for (int i = 0; i < 3; ++i) {
     auto s = mlp_stage(16, 16);
     eager->append(s, "cuda:0");
     graphed->append(s, "cuda:0");  // the same modules: the same parameters
   }
+  graphed->append(host, "cuda:0");  // and an identity stage that counts host calls
   torch::NoGradGuard no_grad;
-  for (int rep = 0; rep < 3; ++rep) {
+  int64_t calls_after_first_rounds = 0;
+  for (int rep = 0; rep < 4; ++rep) {
     for (int64_t batch : {12, 7}) {  // two shapes: two graphs
       auto x = torch::randn({batch, 16}, torch::Device("cuda:0"));
       expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "forward");
     }
+    if (rep == 1) calls_after_first_rounds = host->calls;
   }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 2u);
+  EXPECT_GT(calls_after_first_rounds, 0);
+  EXPECT_EQ(host->calls, calls_after_first_rounds) << "rounds 3 and 4 must be replays";
   // In-place parameter updates (an optimizer's) reach the replays.
   for (auto& p : eager->parameters()) p.mul_(0.5);
   auto x = torch::randn({12, 16}, torch::Device("cuda:0"));
   expect_close(graphed->forward(x, 4), eager->forward(x, 4), 1e-6, "after an update");
+  EXPECT_EQ(host->calls, calls_after_first_rounds) << "a replay after an update";
   // With gradients on, the call runs eagerly and is differentiable.
   torch::AutoGradMode grad_on(true);
   EXPECT_TRUE(graphed->forward(x, 4).requires_grad());
+  EXPECT_EQ(host->calls, calls_after_first_rounds + 3) << "an eager run: 3 micro-batches";
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 2u);
 }
 
 TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
@@ -43,6 +68,8 @@ TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
   auto eager = ModelPipeline();
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
   std::vector<mpipe::snn::LIFNode> neurons;
+  HostCalls host;
+  graphed->append(host, "cuda:0");  // an identity stage that counts host calls
   for (int i = 0; i < 4; ++i) {
     neurons.emplace_back();
     torch::nn::Linear fc(32, 32);
@@ -56,7 +83,9 @@ TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
     graphed->append(s, "cuda:0");
   }
   torch::NoGradGuard no_grad;
-  for (int rep = 0; rep < 3; ++rep) {
+  int64_t calls_after_first_rounds = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    if (rep == 2) calls_after_first_rounds = host->calls;
     auto x = torch::rand({8, 32}, torch::Device("cuda:0")) * 2;
     mpipe::reset_states(*eager);
     auto want = eager->constant_forward(x, 6);
@@ -72,6 +101,9 @@ TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
     mpipe::reset_states(*eager);
     expect_close(graphed->sequence_forward(frames), want_seq, 1e-6, "sequence_forward");
   }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 2u) << "constant_forward and sequence_forward";
+  EXPECT_GT(calls_after_first_rounds, 0);
+  EXPECT_EQ(host->calls, calls_after_first_rounds) << "rounds 3 and 4 must be replays";
 }
 
 namespace {
@@ -100,9 +132,11 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
     torch::manual_seed(19);
     auto eager = ModelPipeline();
     auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+    HostCalls host;
     for (int i = 0; i < 3; ++i) {
       auto s = mlp_stage(16, 16);
       auto c = copy_of(s);
+      if (i == 0) c->push_back(host);
       if (i == 1) {  // a parameter the step never uses: its .grad must stay None
         s->register_parameter("unused", torch::zeros({3}));
         c->register_parameter("unused", torch::zeros({3}));
@@ -115,7 +149,9 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
       return (y - t).pow(2).mean();
     };
     const auto options = mpipe::TrainStepOptions(4).schedule(schedule);
+    std::vector<int64_t> calls_before;  // host calls before each step
     for (int step = 0; step < 7; ++step) {
+      calls_before.push_back(host->calls);
       const int64_t batch = step == 5 ? 9 : 12;  // a second shape: a second graph
       auto x = torch::randn({batch, 16}, g), t = torch::randn({batch, 16}, g);
       prepare_grads(*eager, step);
@@ -130,6 +166,13 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
     }
     // Step 0 warmed up, step 1 captured; the batch of 9 ran eagerly once.
     EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+    calls_before.push_back(host->calls);
+    EXPECT_EQ(calls_before[1] - calls_before[0], 3) << "step 0: eager warm-up";
+    EXPECT_EQ(calls_before[2] - calls_before[1], 3) << "step 1: capture";
+    for (int step : {2, 3, 4, 6}) {
+      EXPECT_EQ(calls_before[step + 1], calls_before[step]) << "step " << step << ": a replay";
+    }
+    EXPECT_EQ(calls_before[6] - calls_before[5], 3) << "step 5: another shape, eager";
     for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
                     static_cast<torch::nn::Module*>(graphed.get())}) {
       EXPECT_FALSE(m->named_parameters()["stages.1.unused"].grad().defined());
@@ -144,11 +187,13 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
       }
     }
     for (int rep = 0; rep < 3; ++rep) {  // warm-up, capture, replay
+      const int64_t calls = host->calls;
       auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
       expect_close(graphed->train_step(x, t, loss_fn, options),
                    eager->train_step(x, t, loss_fn, options), 1e-5, "frozen stage 0: loss");
       expect_same_grads(grads_of(*graphed), grads_of(*eager), 1e-5);
       EXPECT_FALSE(graphed->named_parameters()["stages.0.0.weight"].grad().defined());
+      EXPECT_EQ(host->calls - calls, rep < 2 ? 3 : 0) << "frozen stage 0, round " << rep;
       for (auto* m : {static_cast<torch::nn::Module*>(eager.get()),
                       static_cast<torch::nn::Module*>(graphed.get())}) {
         for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
@@ -160,11 +205,13 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
     }
     // An input that requires grad runs eagerly and gets its gradient.
     {
+      const int64_t calls = host->calls;
       auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
       auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
       expect_close(graphed->train_step(x1, t, loss_fn, options),
                    eager->train_step(x2, t, loss_fn, options), 1e-5, "input grad: loss");
       expect_close(x1.grad(), x2.grad(), 1e-5, "grad of the input");
+      EXPECT_EQ(host->calls - calls, 3) << "an input that requires grad runs eagerly";
     }
     // A .grad the user replaced by another tensor is honoured, too.
     auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
@@ -196,12 +243,16 @@ TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
     eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
     graphed->append(torch::nn::Sequential(torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()), g);
   }
+  HostCalls host;
+  graphed->append(host, g);
   torch::optim::SGD opt_eager(eager->parameters(), 0.05);
   torch::optim::SGD opt_graphed(graphed->parameters(), 0.05);
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& labels) {
     return torch::cross_entropy_loss(out / 6, labels);
   };
+  std::vector<int64_t> calls_before;
   for (int step = 0; step < 5; ++step) {
+    calls_before.push_back(host->calls);
     auto x = torch::rand({8, 32}, g) * 2;
     auto labels = torch::randint(0, 32, {8}, torch::TensorOptions(g).dtype(torch::kLong));
     prepare_grads(*eager, step);
@@ -223,4 +274,8 @@ TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
     opt_graphed.step();
   }
   EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+  calls_before.push_back(host->calls);
+  EXPECT_EQ(calls_before[1] - calls_before[0], 6) << "step 0: eager warm-up, T = 6";
+  EXPECT_EQ(calls_before[2] - calls_before[1], 6) << "step 1: capture";
+  EXPECT_EQ(calls_before[5], calls_before[2]) << "steps 2 to 4: replays";
 }
