@@ -25,7 +25,9 @@ double max_block_cost(const std::vector<double>& costs, const std::vector<int64_
 
 /// A pipeline whose stage i holds the next sizes[i] layers of `layers`, on
 /// devices[i]. Throws c10::Error when sizes do not add up to the layer count,
-/// a size is not positive, or there are not as many sizes as devices.
+/// a size is not positive, or there are not as many sizes as devices. The
+/// stages hold the very modules of `layers`, not copies (moved to their
+/// devices): training the pipeline trains `layers`.
 ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                               const std::vector<DeviceArg>& devices,
                               const std::vector<int64_t>& sizes,
