@@ -290,7 +290,8 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
   auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
   MPIPE_EXPECT_ERROR(pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, 2),
                      "no stages");
-  pipe->append(torch::nn::Linear(2, 2), "cpu").append(torch::nn::Linear(2, 2), "cpu");
+  torch::nn::Linear l0(2, 2), l1(2, 2);
+  pipe->append(l0, "cpu").append(l1, "cpu");
   auto x = torch::randn({4, 2});
   MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({3, 2}), loss_fn, 2),
                      "target needs the input's batch size (4)", "[3, 2]");
@@ -325,9 +326,11 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
                            },
                            TrainStepOptions(1).schedule(schedule)),
           "stage 1", "backward of micro-batch 0 of 4", "planted backward failure");
-      auto loss = pipe->train_step(x, torch::randn({4, 2}), loss_fn,
-                                   TrainStepOptions(2).schedule(schedule));
-      EXPECT_TRUE(std::isfinite(loss.item<double>()));
+      // The next step equals the plain model, in loss and gradients.
+      zero_grads(*pipe);  // the failed steps left partial gradients
+      expect_train_step_transparent(pipe, std::vector<torch::nn::Linear>{l0, l1},
+                                    {torch::kCPU, torch::kCPU}, x, torch::randn({4, 2}),
+                                    loss_fn, TrainStepOptions(2).schedule(schedule), 1e-6);
     }
   }
 }
@@ -413,8 +416,19 @@ TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
   MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 3, torch::Tensor(), mean),
                      "constant_train_step", "stage 1", "time step 1 of 3", "planted failure");
   EXPECT_TRUE(a->state.slots().empty()) << "a failed step leaves the state of its start";
+  // The next step equals the plain loop (stage 1 is x * 2 when it does not fail).
+  zero_grads(*pipe);
   auto loss = pipe->constant_train_step(x, 3, torch::Tensor(), mean);
-  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  auto pipe_grads = grads_of(*pipe);
+  zero_grads(*pipe);
+  mpipe::reset_states(*pipe);
+  torch::Tensor out;
+  for (int t = 0; t < 3; ++t) out = t == 0 ? a(x) * 2 : out + a(x) * 2;
+  auto loss2 = mean(out, torch::Tensor());
+  loss2.backward();
+  mpipe::reset_states(*pipe);
+  expect_close(loss, loss2, 1e-6, "loss after the errors");
+  expect_same_grads(pipe_grads, grads_of(*pipe), 1e-6);
 }
 
 // On the GPU, and across GPUs.

@@ -1,5 +1,7 @@
 #include "fused_neuron.h"
 
+#include "mpipe/snn/neuron.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Functions.h>
 #include <ATen/OpMathType.h>
@@ -14,10 +16,28 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <atomic>
 #include <vector>
 
 namespace mpipe {
 namespace snn {
+
+namespace {
+std::atomic<int64_t> cuda_launches{0};
+}  // namespace
+
+bool fused_cuda_kernels_built() noexcept {
+#ifdef MPIPE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t fused_cuda_kernel_launches() noexcept {
+  return cuda_launches.load(std::memory_order_relaxed);
+}
+
 namespace detail {
 
 // Note [Fused neurons]
@@ -69,6 +89,7 @@ std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at::Tensor& v
         kernel_dtype(x.scalar_type()), x.data_ptr(), v.data_ptr(), spike.data_ptr(),
         v_next.data_ptr(), h.data_ptr(), n, spec, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron forward kernel: ", err);
+    cuda_launches.fetch_add(1, std::memory_order_relaxed);
     return {spike, v_next, h};
   }
 #endif
@@ -108,6 +129,7 @@ std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor&
         gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(), gx.data_ptr(), gvp.data_ptr(), n,
         spec, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron backward kernel: ", err);
+    cuda_launches.fetch_add(1, std::memory_order_relaxed);
     return {gx, gvp};
   }
 #endif

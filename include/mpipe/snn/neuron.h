@@ -111,5 +111,14 @@ class LIFNodeImpl : public NeuronBase {
 };
 TORCH_MODULE(LIFNode);
 
+/// Whether this build holds the fused neuron CUDA kernels (built when CMake
+/// found nvcc, option MPIPE_CUDA_KERNELS). Without them fused neurons run
+/// their ATen path on the GPU: the same results, more kernel launches.
+bool fused_cuda_kernels_built() noexcept;
+
+/// How many fused-step CUDA kernels (forward and backward) this process has
+/// launched so far; for tests and diagnostics.
+int64_t fused_cuda_kernel_launches() noexcept;
+
 }  // namespace snn
 }  // namespace mpipe
