@@ -7,6 +7,8 @@
 #include <mpipe/mpipe.h>
 
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 
 using namespace mpipe_test;
@@ -40,6 +42,96 @@ TEST(TrainingSchedule, ProgramsAreExactForSmallSizes) {
       {T{0, B(2)}},
   };
   EXPECT_EQ(sch::simulate(sch::one_f_one_b(3, 2)), expected);
+}
+
+namespace {
+
+/// Logs, per stage, the order in which the runtime runs the stage's forwards
+/// and backwards: a forward when the module runs (not when a checkpointed
+/// stage is recomputed), a backward when the gradient of its output arrives.
+struct OrderLog {
+  std::mutex mutex;
+  std::vector<sch::Program> per_stage;
+};
+
+struct OrderRecorderImpl : torch::nn::Module {
+  OrderRecorderImpl(std::shared_ptr<OrderLog> log, int64_t stage) : log(log), stage(stage) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t mb = mpipe::current_micro_batch().index;
+    if (!mpipe::is_recomputing()) add(F(mb));
+    torch::Tensor y = x * 1;  // a node of our own for the hook
+    if (y.requires_grad()) {
+      auto l = log;
+      const int64_t j = stage;
+      y.register_hook([l, j, mb](const torch::Tensor& g) {
+        std::lock_guard<std::mutex> lock(l->mutex);
+        l->per_stage[static_cast<size_t>(j)].push_back(B(mb));
+        return g;
+      });
+    }
+    return y;
+  }
+  void add(sch::Op op) {
+    std::lock_guard<std::mutex> lock(log->mutex);
+    log->per_stage[static_cast<size_t>(stage)].push_back(op);
+  }
+  std::shared_ptr<OrderLog> log;
+  int64_t stage;
+};
+TORCH_MODULE(OrderRecorder);
+
+}  // namespace
+
+TEST(TrainingSchedule, TheRuntimeFollowsEachStagesProgram) {
+  const int64_t n = 4;
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    for (Checkpoint ckpt : {Checkpoint::Never, Checkpoint::Always}) {
+      for (bool threads : {true, false}) {
+        for (int64_t m : {3, 7}) {
+          SCOPED_TRACE(std::string(schedule == Schedule::GPipe ? "GPipe" : "1F1B") +
+                       (ckpt == Checkpoint::Never ? "" : ", checkpointing") +
+                       (threads ? ", threads" : ", inline") + ", " + std::to_string(m) +
+                       " micro-batches");
+          auto log = std::make_shared<OrderLog>();
+          log->per_stage.resize(n);
+          auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads).checkpoint(ckpt));
+          for (int64_t j = 0; j < n; ++j) {
+            pipe->append(torch::nn::Sequential(torch::nn::Linear(3, 3), OrderRecorder(log, j)),
+                         "cpu");
+          }
+          auto x = torch::randn({2 * m, 3});
+          pipe->train_step(x, torch::randn({2 * m, 3}),
+                           [](const torch::Tensor& y, const torch::Tensor& t) {
+                             return torch::mse_loss(y, t);
+                           },
+                           TrainStepOptions(2).schedule(schedule));
+          const auto programs = mpipe::programs_for(schedule, m, n);
+          for (int64_t j = 0; j < n; ++j) {
+            SCOPED_TRACE("stage " + std::to_string(j));
+            const auto& seen = log->per_stage[static_cast<size_t>(j)];
+            EXPECT_EQ(seen, programs[static_cast<size_t>(j)]) << "the order of F and B";
+            // Activations alive on the stage: GPipe holds all m, 1F1B at most n - j.
+            int64_t live = 0, peak = 0;
+            for (const auto& op : seen) {
+              live += op.kind == sch::OpKind::Forward ? 1 : -1;
+              peak = std::max(peak, live);
+            }
+            EXPECT_EQ(live, 0);
+            EXPECT_EQ(peak, schedule == Schedule::GPipe ? m : std::min(n - j, m));
+          }
+          // A forward call: every stage runs F(0..m-1) in order, no backward.
+          for (auto& p : log->per_stage) p.clear();
+          {
+            torch::NoGradGuard no_grad;
+            pipe->forward(x, 2);
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            EXPECT_EQ(log->per_stage[static_cast<size_t>(j)], sch::forward_only(m, n)[0]);
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(TrainingSchedule, InvariantsAndMemoryBound) {
