@@ -143,6 +143,84 @@ TEST(Placement, LoadPutsStagesBackOnTheirDevices_CUDA) {
   expect_close(pipe->forward(x, 2), other->forward(x, 2), 1e-6);
 }
 
+TEST(Placement, TimeStepCallsEqualAPlainLoopOnTheGpuAndMixed_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0"), c(torch::kCPU);
+  const int64_t T = 4;
+  for (const auto& devices : std::vector<std::vector<torch::Device>>{{g, g, g}, {g, c, g}, {c, g, c}}) {
+    for (bool threads : {true, false}) {
+      SCOPED_TRACE(std::string(threads ? "threads" : "inline") + ", stages on " +
+                   devices[0].str() + " " + devices[1].str() + " " + devices[2].str());
+      torch::manual_seed(51);
+      std::vector<Leaky> stages{Leaky(5, 0.6), Leaky(5, 0.3), Leaky(5, 0.8)};
+      auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+      for (size_t j = 0; j < 3; ++j) pipe->append(stages[j], devices[j]);
+      pipe->to(torch::kDouble);
+      auto step = [&](torch::Tensor y) {  // one time step of the plain model
+        for (size_t j = 0; j < 3; ++j) y = stages[j](y.to(devices[j]));
+        return y;
+      };
+      auto reset = [&] { mpipe::reset_states(*pipe); };
+      const auto opts = torch::TensorOptions().dtype(torch::kDouble).device(devices[0]);
+      auto xs = torch::randn({T, 3, 5}, opts);
+      for (bool reduce : {false, true}) {
+        SCOPED_TRACE(reduce ? "reduce" : "no reduce");
+        reset();
+        expect_transparent(
+            *pipe, xs,
+            [&](const torch::Tensor& xi) {
+              auto y = pipe->sequence_forward(xi, reduce);
+              reset();
+              return y;
+            },
+            [&](const torch::Tensor& xi) {
+              std::vector<torch::Tensor> ys;
+              for (int64_t t = 0; t < T; ++t) ys.push_back(step(xi[t]));
+              reset();
+              return reduce ? torch::stack(ys).sum(0) : torch::stack(ys);
+            },
+            1e-10);
+        auto x = torch::randn({3, 5}, opts);
+        expect_transparent(
+            *pipe, x,
+            [&](const torch::Tensor& xi) {
+              auto y = pipe->constant_forward(xi, T, reduce);
+              reset();
+              return y;
+            },
+            [&](const torch::Tensor& xi) {
+              std::vector<torch::Tensor> ys;
+              for (int64_t t = 0; t < T; ++t) ys.push_back(step(xi));
+              reset();
+              return reduce ? torch::stack(ys).sum(0) : torch::cat(ys);
+            },
+            1e-10);
+      }
+      // constant_train_step against the plain loop: loss, input and parameter gradients.
+      auto x = torch::randn({3, 5}, opts);
+      auto target = torch::randn({3, 5}, torch::TensorOptions().dtype(torch::kDouble).device(devices[2]));
+      auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) {
+        return (out / 4 - t).pow(2).mean();
+      };
+      auto x1 = x.clone().requires_grad_();
+      auto loss = pipe->constant_train_step(x1, T, target, loss_fn);
+      auto pipe_grads = grads_of(*pipe);
+      zero_grads(*pipe);
+      reset();
+      auto x2 = x.clone().requires_grad_();
+      torch::Tensor out;
+      for (int64_t t = 0; t < T; ++t) out = t == 0 ? step(x2) : out + step(x2);
+      auto loss2 = loss_fn(out, target);
+      loss2.backward();
+      reset();
+      expect_close(loss, loss2, 1e-10, "loss");
+      expect_close(x1.grad(), x2.grad(), 1e-10, "grad of x");
+      expect_same_grads(pipe_grads, grads_of(*pipe), 1e-10);
+      zero_grads(*pipe);
+    }
+  }
+}
+
 #ifdef MPIPE_TEST_WITH_CUDA
 
 namespace {

@@ -279,3 +279,67 @@ TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
   EXPECT_EQ(calls_before[2] - calls_before[1], 6) << "step 1: capture";
   EXPECT_EQ(calls_before[5], calls_before[2]) << "steps 2 to 4: replays";
 }
+
+TEST(CudaGraphs, GraphedTrainStepDrawsNewDropoutMasksOnEveryReplay_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(41);
+  auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  HostCalls host;
+  graphed->append(torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::Dropout(0.5)), g)
+      .append(torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::Dropout(0.5)), g)
+      .append(host, g);
+  auto x = torch::randn({16, 32}, g), t = torch::randn({16, 32}, g);
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& target) {
+    return torch::mse_loss(y, target);
+  };
+  std::vector<double> losses;
+  std::vector<torch::Tensor> grads;
+  int64_t calls_after_capture = 0;
+  for (int step = 0; step < 6; ++step) {
+    for (auto& p : graphed->parameters()) p.mutable_grad() = torch::Tensor();
+    losses.push_back(graphed->train_step(x, t, loss_fn, mpipe::TrainStepOptions(4)).item<double>());
+    grads.push_back(graphed->parameters()[0].grad().clone());
+    if (step == 1) calls_after_capture = host->calls;
+  }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+  EXPECT_EQ(host->calls, calls_after_capture) << "steps 2 to 5 are replays";
+  // The same input and parameters: only the masks can make replays differ.
+  for (int step = 3; step < 6; ++step) {
+    EXPECT_NE(losses[step], losses[step - 1]) << "replay " << step << " drew the same masks";
+    EXPECT_FALSE(torch::equal(grads[step], grads[step - 1]));
+  }
+}
+
+TEST(CudaGraphs, GraphedTrainStepKeepsDeferredBatchNormStatisticsLikeEager_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(42);
+  auto make = [&](ModelPipelineOptions options, mpipe::DeferredBatchNorm& bn) {
+    torch::manual_seed(43);
+    auto pipe = ModelPipeline(options);
+    bn = mpipe::DeferredBatchNorm(8);
+    pipe->append(torch::nn::Linear(8, 8), g).append(bn, g);
+    return pipe;
+  };
+  mpipe::DeferredBatchNorm bn_eager(nullptr), bn_graphed(nullptr);
+  auto eager = make(ModelPipelineOptions(), bn_eager);
+  HostCalls host;
+  auto graphed = make(ModelPipelineOptions().cuda_graphs(true), bn_graphed);
+  graphed->append(host, g);
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& target) {
+    return torch::mse_loss(y, target);
+  };
+  int64_t calls_after_capture = 0;
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::randn({12, 8}, g) * (step + 1) + step, t = torch::randn({12, 8}, g);
+    expect_close(graphed->train_step(x, t, loss_fn, mpipe::TrainStepOptions(4)),
+                 eager->train_step(x, t, loss_fn, mpipe::TrainStepOptions(4)), 1e-5, "loss");
+    expect_close(bn_graphed->running_mean, bn_eager->running_mean, 1e-5, "running_mean");
+    expect_close(bn_graphed->running_var, bn_eager->running_var, 1e-5, "running_var");
+    if (step == 1) calls_after_capture = host->calls;
+  }
+  EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+  EXPECT_EQ(host->calls, calls_after_capture) << "steps 2 to 4 are replays";
+  EXPECT_EQ(bn_graphed->num_batches_tracked.item<int64_t>(), 5);
+}

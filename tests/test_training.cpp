@@ -319,6 +319,39 @@ TEST(Checkpointing, DropoutGradientsMatchTheRunWithoutCheckpointing) {
   expect_same_grads(never, grads_with(Checkpoint::ExceptLast), 0.0);
 }
 
+TEST(Checkpointing, DropoutOnTheGpuDrawsTheForwardsMaskThreadedAndInline_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE(threads ? "threads" : "inline");
+    auto grads_with = [&](Checkpoint c) {
+      torch::manual_seed(21);
+      std::vector<torch::nn::Sequential> stages;
+      for (int j = 0; j < 3; ++j) {
+        stages.emplace_back(torch::nn::Linear(64, 64), torch::nn::Dropout(0.5), torch::nn::Tanh());
+      }
+      // Stages on the GPU and the CPU: each draws from its own device's generators.
+      const std::vector<torch::Device> where = {g, torch::kCPU, g};
+      auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads).checkpoint(c));
+      for (int j = 0; j < 3; ++j) pipe->append(stages[static_cast<size_t>(j)], where[static_cast<size_t>(j)]);
+      pipe->to(torch::kDouble);
+      torch::manual_seed(22);
+      auto x = torch::randn({16, 64}, torch::TensorOptions(g).dtype(torch::kDouble));
+      auto y = torch::randn({16, 64}, torch::TensorOptions(g).dtype(torch::kDouble));
+      pipe->train_step(x, y, [](const torch::Tensor& o, const torch::Tensor& t) {
+        return torch::mse_loss(o, t);
+      }, TrainStepOptions(4).schedule(Schedule::OneFOneB));
+      return grads_of(*pipe);
+    };
+    auto never = grads_with(Checkpoint::Never);
+    double norm = 0;
+    for (const auto& kv : never) norm += kv.second.abs().sum().item<double>();
+    EXPECT_GT(norm, 0);
+    expect_same_grads(never, grads_with(Checkpoint::Always), 0.0);
+    expect_same_grads(never, grads_with(Checkpoint::ExceptLast), 0.0);
+  }
+}
+
 TEST(Checkpointing, NothingIsRecomputedInEvalMode) {
   std::vector<Recorder> recorders(2);
   auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(Checkpoint::Always));
