@@ -11,7 +11,7 @@ namespace detail {
 
 LocalTransport::LocalTransport(const std::vector<StagePlace>& stages, bool blocking,
                                Recorder* recorder)
-    : stages_(stages), blocking_(blocking), recorder_(recorder) {}
+    : stages_(stages), blocking_(blocking), recorder_(recorder), arrived_(stages.size() + 1) {}
 
 void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors values) {
   Parcel parcel{std::move(values), nullptr};
@@ -25,7 +25,12 @@ void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors valu
     const bool fresh = parcels_.emplace(where, std::move(parcel)).second;
     TORCH_INTERNAL_ASSERT(fresh, "mpipe: a transport key was sent twice");
   }
-  if (blocking_) arrived_.notify_all();
+  if (!blocking_) return;
+  if (key.kind == Key::Skip) {
+    for (auto& cv : arrived_) cv.notify_all();
+  } else {
+    arrived_[static_cast<size_t>(to)].notify_all();
+  }
 }
 
 Tensors LocalTransport::receive(int64_t to, const Key& key) {
@@ -33,7 +38,10 @@ Tensors LocalTransport::receive(int64_t to, const Key& key) {
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (blocking_) arrived_.wait(lock, [&] { return aborted_ || parcels_.count(where) > 0; });
+    if (blocking_) {
+      arrived_[static_cast<size_t>(to)].wait(
+          lock, [&] { return aborted_ || parcels_.count(where) > 0; });
+    }
     if (aborted_) throw Aborted{};
     auto it = parcels_.find(where);
     TORCH_INTERNAL_ASSERT(it != parcels_.end(), "mpipe: the schedule delivered no input");
@@ -48,7 +56,7 @@ void LocalTransport::abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     aborted_ = true;
   }
-  arrived_.notify_all();
+  for (auto& cv : arrived_) cv.notify_all();
 }
 
 Tensors LocalTransport::accept(int64_t to, int64_t item, Tensors values,

@@ -100,7 +100,9 @@ class LocalTransport : public Transport {
   const bool blocking_;
   Recorder* const recorder_;
   std::mutex mutex_;
-  std::condition_variable arrived_;
+  /// One per receiving stage, so a send wakes only the stage it is for (the
+  /// last one is for skips, which any later stage may pop).
+  std::vector<std::condition_variable> arrived_;
   /// By receiving stage (-1 for skips: whichever stage pops them) and key.
   std::map<std::pair<int64_t, Key>, Parcel> parcels_;
   bool aborted_ = false;
