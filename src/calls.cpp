@@ -61,11 +61,7 @@ Tensors for_caller(Tensors out) {
 
 Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int64_t split_size,
                                           bool graphable_call) {
-  const int64_t batch = detail::batch_size("forward", inputs, 0);
-  TORCH_CHECK(batch != -1, "mpipe::ModelPipeline::forward: no input is batched; forward "
-              "splits batched inputs into micro-batches");
-  TORCH_CHECK(batch > 0, "mpipe::ModelPipeline::forward: the input's batch is empty (size 0 "
-              "along dim 0)");
+  const int64_t batch = detail::split_batch("forward", inputs);
   check_split("forward", split_size);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
     CallSpec spec;
@@ -107,22 +103,12 @@ Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors
   spec.source = [&](int64_t) { return in; };
   spec.caller_tensors = in;
   spec.backward_positions = positions;
-  std::vector<Tensors> outs(reduce ? 1 : static_cast<size_t>(T));
-  spec.sink = [&](int64_t t, Tensors o) {
-    if (!reduce) {
-      outs[static_cast<size_t>(t)] = std::move(o);
-    } else if (t == 0) {
-      outs[0] = std::move(o);
-    } else {
-      TORCH_CHECK(o.size() == outs[0].size(), "the stage returned ", o.size(),
-                  " tensors, but ", outs[0].size(), " at time step 0");
-      for (size_t k = 0; k < o.size(); ++k) outs[0][k] = outs[0][k] + o[k];
-    }
-  };
+  detail::TimeStepOutputs outs(T, reduce);
+  spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
   execute(spec, threaded);
-  if (reduce) return for_caller(outs[0]);
+  if (reduce) return for_caller(outs.steps()[0]);
   return for_caller(detail::gather(method, "time step", static_cast<int64_t>(devices.size()) - 1,
-                                   outs, false, false));
+                                   outs.steps(), false, false));
 }
 
 Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs, int64_t T,
@@ -161,20 +147,13 @@ Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inp
     spec.programs = schedules::forward_only(T, static_cast<int64_t>(devices.size()));
     spec.source = [&](int64_t t) { return detail::time_step(in, t); };
     spec.caller_tensors = detail::tensors_of(in);
-    std::vector<Tensors> outs(reduce ? 1 : static_cast<size_t>(T));
-    spec.sink = [&](int64_t t, Tensors o) {
-      if (!reduce) {
-        outs[static_cast<size_t>(t)] = std::move(o);
-      } else if (t == 0) {
-        outs[0] = std::move(o);
-      } else {
-        for (size_t k = 0; k < o.size() && k < outs[0].size(); ++k) outs[0][k] = outs[0][k] + o[k];
-      }
-    };
+    detail::TimeStepOutputs outs(T, reduce);
+    spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
     execute(spec, threaded);
-    if (reduce) return for_caller(outs[0]);
+    if (reduce) return for_caller(outs.steps()[0]);
     return for_caller(detail::gather("sequence_forward", "time step",
-                                     static_cast<int64_t>(devices.size()) - 1, outs, true, false));
+                                     static_cast<int64_t>(devices.size()) - 1, outs.steps(), true,
+                                     false));
   };
   return guarded("sequence_forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {

@@ -433,25 +433,30 @@ std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* 
   return nullptr;  // unreachable
 }
 
-void Executor::run_program(Run& run, int64_t j) {
-  for (const schedules::Op& op : run.call->programs[static_cast<size_t>(j)]) {
-    const bool forward = op.kind == schedules::OpKind::Forward;
-    const char* phase = !run.call->training ? run.call->item_name
-                        : forward           ? "forward of micro-batch"
-                                            : "backward of micro-batch";
-    try {
-      at::ThreadLocalStateGuard tls_guard(run.tls);
-      if (forward) {
-        forward_action(run, j, op.micro_batch, phase);
-      } else {
-        backward_action(run, j, op.micro_batch, phase);
-      }
-    } catch (const Aborted&) {
-      return;
-    } catch (...) {
-      run.fail(describe_failure(*run.call, phase, j, op.micro_batch));
-      return;
+bool Executor::run_action(Run& run, int64_t j, const schedules::Op& op) {
+  const bool forward = op.kind == schedules::OpKind::Forward;
+  const char* phase = !run.call->training ? run.call->item_name
+                      : forward           ? "forward of micro-batch"
+                                          : "backward of micro-batch";
+  try {
+    if (forward) {
+      forward_action(run, j, op.micro_batch, phase);
+    } else {
+      backward_action(run, j, op.micro_batch, phase);
     }
+    return true;
+  } catch (const Aborted&) {  // the call failed elsewhere
+    return false;
+  } catch (...) {
+    run.fail(describe_failure(*run.call, phase, j, op.micro_batch));
+    return false;
+  }
+}
+
+void Executor::run_program(Run& run, int64_t j) {
+  at::ThreadLocalStateGuard tls_guard(run.tls);  // the caller's grad mode, dispatch keys, ...
+  for (const schedules::Op& op : run.call->programs[static_cast<size_t>(j)]) {
+    if (!run_action(run, j, op)) return;
   }
 }
 
@@ -502,20 +507,7 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   } else {
     for (const auto& tick : schedules::simulate(call.programs)) {
       for (const auto& t : tick) {
-        const bool forward = t.op.kind == schedules::OpKind::Forward;
-        const char* phase = !call.training ? call.item_name
-                            : forward      ? "forward of micro-batch"
-                                           : "backward of micro-batch";
-        try {
-          if (forward) {
-            forward_action(*run, t.stage, t.op.micro_batch, phase);
-          } else {
-            backward_action(*run, t.stage, t.op.micro_batch, phase);
-          }
-        } catch (...) {
-          run->fail(describe_failure(call, phase, t.stage, t.op.micro_batch));
-          break;
-        }
+        if (!run_action(*run, t.stage, t.op)) break;
       }
       if (run->failed.load()) break;
     }

@@ -143,6 +143,9 @@ class Executor {
   void fork() const;
   void forward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
   void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
+  /// Runs one action, catching its failure; false when the call has failed
+  /// (here or elsewhere) and the stage must stop.
+  bool run_action(Run& run, int64_t stage, const schedules::Op& op);
   void run_program(Run& run, int64_t stage);
   /// Inside a catch block: the current exception as a c10::Error naming the
   /// call, the stage, its device, the phase and the item.

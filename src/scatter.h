@@ -38,6 +38,17 @@ inline int64_t batch_size(const char* method, const std::vector<Input>& inputs, 
   return size;
 }
 
+/// The batch `method` splits into micro-batches: the batched inputs' common
+/// size along dim 0, checked to exist and to be non-empty.
+inline int64_t split_batch(const char* method, const std::vector<Input>& inputs) {
+  const int64_t batch = batch_size(method, inputs, 0);
+  TORCH_CHECK(batch != -1, "mpipe::ModelPipeline::", method, ": no input is batched; ", method,
+              " splits batched inputs into micro-batches");
+  TORCH_CHECK(batch > 0, "mpipe::ModelPipeline::", method, ": the input's batch is empty (size 0 "
+              "along dim 0)");
+  return batch;
+}
+
 /// Rows [i * rows, i * rows + rows) of the batched inputs; unbatched whole.
 inline Tensors micro_batch(const std::vector<Input>& inputs, int64_t i, int64_t rows,
                            int64_t batch) {
@@ -61,6 +72,31 @@ inline Tensors tensors_of(const std::vector<Input>& inputs) {
   for (const auto& in : inputs) out.push_back(in.tensor);
   return out;
 }
+
+/// The last stage's outputs of T time steps, as they arrive in step order:
+/// summed output by output (reduce), or kept per step for gather().
+class TimeStepOutputs {
+ public:
+  TimeStepOutputs(int64_t T, bool reduce)
+      : reduce_(reduce), steps_(reduce ? 1 : static_cast<size_t>(T)) {}
+  void add(int64_t t, Tensors out) {
+    if (!reduce_) {
+      steps_[static_cast<size_t>(t)] = std::move(out);
+    } else if (t == 0) {
+      steps_[0] = std::move(out);
+    } else {
+      TORCH_CHECK(out.size() == steps_[0].size(), "the stage returned ", out.size(),
+                  " tensors, but ", steps_[0].size(), " at time step 0");
+      for (size_t k = 0; k < out.size(); ++k) steps_[0][k] = steps_[0][k] + out[k];
+    }
+  }
+  bool reduced() const { return reduce_; }
+  const std::vector<Tensors>& steps() const { return steps_; }
+
+ private:
+  bool reduce_;
+  std::vector<Tensors> steps_;  // one entry (the sums) when reducing
+};
 
 /// The outputs of every item as one Tensors: output k of each item
 /// concatenated along dim 0 (or stacked into [n_items, ...]).

@@ -95,11 +95,7 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
                                                 const LossFunction& loss_fn,
                                                 const TrainStepOptions& step,
                                                 bool graphable_call) {
-  const int64_t batch = detail::batch_size("train_step", inputs, 0);
-  TORCH_CHECK(batch != -1, "mpipe::ModelPipeline::train_step: no input is batched; train_step "
-              "splits batched inputs into micro-batches");
-  TORCH_CHECK(batch > 0, "mpipe::ModelPipeline::train_step: the input's batch is empty (size 0 "
-              "along dim 0)");
+  const int64_t batch = detail::split_batch("train_step", inputs);
   TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == batch,
               "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
               batch, ") along dim 0, got ",
