@@ -176,6 +176,7 @@ void ModelPipelineImpl::State::execute(CallSpec& spec, bool threaded) {
         spec.training ? schedules::bubble(spec.programs)
                       : schedules::fill_drain_bubble(spec.n_items,
                                                      static_cast<int64_t>(devices.size())));
+    if (spec.training) recorder->describe_schedule(spec.schedule, schedules::stage_ranks(spec.programs));
   }
   spec.recorder = recorder.get();
   executor.run(spec, forwards, threaded);

@@ -13,9 +13,11 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <atomic>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -49,6 +51,21 @@ namespace detail {
 // micro-batch in every mode. Losses are summed in micro-batch order after the
 // step, so the returned loss does not depend on the schedule. Nothing is
 // checkpointed in eval mode.
+
+// Note [Split backward]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Zero-bubble schedules split B(j, i) into I(j, i), which the previous stage
+// waits for, and W(j, i), which nobody waits for. I runs autograd::grad from
+// the same roots and gradients as B, but only to the stage's input leaves
+// (and popped skip leaves), with retain_graph; autograd prunes what does not
+// lead there, so no weight gradient is computed. W runs backward from those
+// roots again, restricted (its `inputs`) to the leaves plain backward would
+// accumulate into: every AccumulateGrad leaf of the stage's graph (its
+// parameters, and any other leaf it used) except the input leaves. So the
+// gradients are those of B, whatever the stage holds. The price: W walks the
+// activation-gradient chain again (the graph does not keep the gradients I
+// computed), so I + W costs more than B; the schedule wins where the bubbles
+// it fills cost more than that. A micro-batch's activations live until its W.
 
 // Note [Call ownership]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -166,6 +183,9 @@ struct Executor::Run {
     std::map<std::string, int64_t> popped_from;  // ...the stasher
     StateSnapshot state_before;  // checkpointed: the stage's module state before forward
     bool checkpointed = false;
+    // Split backward: what I(i) backpropagated from, for W(i).
+    std::vector<at::Tensor> roots, root_grads;
+    std::vector<at::Tensor> leaves;  // inputs and popped leaves, which W leaves alone
   };
 
   CallSpec* call = nullptr;
@@ -322,7 +342,7 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
   run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
 
-void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
+void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase, bool split) {
   CallSpec& call = *run.call;
   const StagePlace& stage = stages_[static_cast<size_t>(j)];
   const bool last = j + 1 == static_cast<int64_t>(stages_.size());
@@ -374,9 +394,10 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
       roots = std::move(out);
     }
   }
-  phase = "backward of micro-batch";
+  phase = split ? "input gradient of micro-batch" : "backward of micro-batch";
   c10::optional<TaskSpan> span;  // ends before the hand-off, as in forward_action
-  span.emplace(call.recorder, j, i, TaskKind::Backward, stage.device, stage.compute);
+  span.emplace(call.recorder, j, i, split ? TaskKind::BackwardInput : TaskKind::Backward,
+               stage.device, stage.compute);
   std::vector<at::Tensor> r, g;
   for (size_t k = 0; k < roots.size(); ++k) {
     if (!roots[k].requires_grad()) continue;
@@ -395,18 +416,101 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
       g.push_back(gs);
     }
   }
-  if (!r.empty()) torch::autograd::backward(r, g);
-  Tensors input_grads;
-  for (const auto& x : sv.inputs) input_grads.push_back(grad_of(x));
-  for (const auto& p : sv.popped) {
+  Tensors input_grads(sv.inputs.size());
+  std::map<std::string, at::Tensor> popped_grads;
+  if (!split) {
+    if (!r.empty()) torch::autograd::backward(r, g);
+    for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = grad_of(sv.inputs[k]);
+    for (const auto& p : sv.popped) popped_grads[p.first] = grad_of(p.second);
+  } else {
+    // Note [Split backward]: the gradients of the inputs now, keeping the
+    // graph for W(i).
+    std::vector<at::Tensor> xs;
+    for (const auto& x : sv.inputs) {
+      if (x.defined() && x.requires_grad()) xs.push_back(x);
+    }
+    for (const auto& p : sv.popped) xs.push_back(p.second);
+    if (!r.empty() && !xs.empty()) {
+      const auto gx = torch::autograd::grad(r, xs, g, /*retain_graph=*/true,
+                                            /*create_graph=*/false, /*allow_unused=*/true);
+      size_t at = 0;
+      for (size_t k = 0; k < sv.inputs.size(); ++k) {
+        if (sv.inputs[k].defined() && sv.inputs[k].requires_grad()) input_grads[k] = gx[at++];
+      }
+      for (const auto& p : sv.popped) popped_grads[p.first] = gx[at++];
+    }
+    sv.roots = std::move(r);
+    sv.root_grads = std::move(g);
+    sv.leaves = std::move(xs);
+  }
+  for (const auto& p : popped_grads) {
     run.transport->send(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first},
-                        {grad_of(p.second)});
+                        {p.second});
   }
   span.reset();
   if (j > 0) {
     run.transport->send(j, j - 1, Key{Key::Gradient, i, {}}, std::move(input_grads));
   } else {
     call.input_grads[static_cast<size_t>(i)] = std::move(input_grads);
+  }
+  if (!split) sv = Run::Saved{};  // this micro-batch's activations are free now
+}
+
+namespace {
+
+/// The leaves that backward from `roots` would accumulate gradients into,
+/// except `skip` (Note [Split backward]).
+std::vector<at::Tensor> accumulating_leaves(const std::vector<at::Tensor>& roots,
+                                            const std::vector<at::Tensor>& skip) {
+  std::vector<at::Tensor> leaves;
+  std::set<const torch::autograd::Node*> seen;
+  std::set<const c10::TensorImpl*> skipped;
+  for (const auto& t : skip) skipped.insert(t.unsafeGetTensorImpl());
+  std::vector<torch::autograd::Node*> todo;
+  for (const auto& r : roots) {
+    if (r.grad_fn()) {
+      todo.push_back(r.grad_fn().get());
+    } else if (r.requires_grad() && !skipped.count(r.unsafeGetTensorImpl())) {
+      leaves.push_back(r);  // a root that is itself a leaf
+      skipped.insert(r.unsafeGetTensorImpl());
+    }
+  }
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const at::Tensor& v = acc->variable;
+      if (v.defined() && !skipped.count(v.unsafeGetTensorImpl())) {
+        leaves.push_back(v);
+        skipped.insert(v.unsafeGetTensorImpl());
+      }
+      continue;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) todo.push_back(edge.function.get());
+    }
+  }
+  return leaves;
+}
+
+}  // namespace
+
+void Executor::weight_action(Run& run, int64_t j, int64_t i) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = stages_[static_cast<size_t>(j)];
+  Run::Saved& sv = run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
+  c10::OptionalStreamGuard stream_guard(stage.compute);
+  MicroBatchGuard micro_batch({i, call.n_items});
+  {
+    TaskSpan span(call.recorder, j, i, TaskKind::BackwardWeight, stage.device, stage.compute);
+    if (!sv.roots.empty()) {
+      const auto leaves = accumulating_leaves(sv.roots, sv.leaves);
+      if (!leaves.empty()) {
+        torch::autograd::backward(sv.roots, sv.root_grads, /*retain_graph=*/false,
+                                  /*create_graph=*/false, leaves);
+      }
+    }
   }
   sv = Run::Saved{};  // this micro-batch's activations are free now
 }
@@ -433,38 +537,43 @@ std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* 
   return nullptr;  // unreachable
 }
 
-bool Executor::run_action(Run& run, int64_t j, const schedules::Op& op) {
-  const bool forward = op.kind == schedules::OpKind::Forward;
-  const char* phase = !run.call->training ? run.call->item_name
-                      : forward           ? "forward of micro-batch"
-                                          : "backward of micro-batch";
+bool Executor::run_action(Run& run, const schedules::Op& op) {
+  using schedules::OpKind;
+  const int64_t j = op.stage, i = op.micro_batch;
+  const char* phase = !run.call->training                ? run.call->item_name
+                      : op.kind == OpKind::Forward        ? "forward of micro-batch"
+                      : op.kind == OpKind::BackwardWeight ? "weight gradient of micro-batch"
+                      : op.kind == OpKind::BackwardInput  ? "input gradient of micro-batch"
+                                                          : "backward of micro-batch";
   try {
-    if (forward) {
-      forward_action(run, j, op.micro_batch, phase);
-    } else {
-      backward_action(run, j, op.micro_batch, phase);
+    switch (op.kind) {
+      case OpKind::Forward: forward_action(run, j, i, phase); break;
+      case OpKind::Backward: backward_action(run, j, i, phase, /*split=*/false); break;
+      case OpKind::BackwardInput: backward_action(run, j, i, phase, /*split=*/true); break;
+      case OpKind::BackwardWeight: weight_action(run, j, i); break;
     }
     return true;
   } catch (const Aborted&) {  // the call failed elsewhere
     return false;
   } catch (...) {
-    run.fail(describe_failure(*run.call, phase, j, op.micro_batch));
+    run.fail(describe_failure(*run.call, phase, j, i));
     return false;
   }
 }
 
-void Executor::run_program(Run& run, int64_t j) {
+void Executor::run_program(Run& run, size_t rank) {
   at::ThreadLocalStateGuard tls_guard(run.tls);  // the caller's grad mode, dispatch keys, ...
-  for (const schedules::Op& op : run.call->programs[static_cast<size_t>(j)]) {
-    if (!run_action(run, j, op)) return;
+  for (const schedules::Op& op : run.call->programs[rank]) {
+    if (!run_action(run, op)) return;
   }
 }
 
 void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded) {
   const auto n_stages = static_cast<int64_t>(stages_.size());
   TORCH_INTERNAL_ASSERT(n_stages > 0 && forwards.size() == stages_.size() && call.n_items > 0);
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(call.programs.size()) == n_stages);
-  schedules::validate(call.programs, call.n_items, call.training);
+  const auto n_ranks = static_cast<int64_t>(call.programs.size());
+  TORCH_INTERNAL_ASSERT(n_ranks > 0 && n_ranks <= n_stages);
+  schedules::validate(call.programs, n_stages, call.n_items, call.training);
   if (call.training) {
     call.input_grads.assign(static_cast<size_t>(call.n_items), Tensors());
     call.losses.assign(static_cast<size_t>(call.n_items), at::Tensor());
@@ -490,9 +599,9 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
 
   if (threaded) {
     std::lock_guard<std::mutex> queue_lock(queue_mutex());  // Note [Shared streams and workers]
-    for (int64_t j = 0; j < n_stages; ++j) {
-      shared_worker(static_cast<size_t>(j)).push([this, r = run, j]() mutable {
-        run_program(*r, j);
+    for (int64_t k = 0; k < n_ranks; ++k) {
+      shared_worker(static_cast<size_t>(k)).push([this, r = run, k]() mutable {
+        run_program(*r, static_cast<size_t>(k));
         Run& done = *r;
         r.reset();  // before the caller can move on (Note [Call ownership])
         std::lock_guard<std::mutex> lock(done.mutex);
@@ -503,13 +612,10 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   }
   if (threaded) {
     std::unique_lock<std::mutex> lock(run->mutex);
-    run->done.wait(lock, [&] { return run->finished == n_stages; });
+    run->done.wait(lock, [&] { return run->finished == n_ranks; });
   } else {
-    for (const auto& tick : schedules::simulate(call.programs)) {
-      for (const auto& t : tick) {
-        if (!run_action(*run, t.stage, t.op)) break;
-      }
-      if (run->failed.load()) break;
+    for (const auto& t : schedules::simulate(call.programs)) {
+      if (!run_action(*run, t.op)) break;
     }
   }
 

@@ -58,7 +58,8 @@ struct CallSpec {
   const char* method = "";     // for messages: "forward", "train_step", ...
   const char* item_name = "";  // "micro-batch", "time step"
   int64_t n_items = 0;
-  /// One per stage; forwards only unless `training`.
+  /// One per worker ("rank"); each operation names its stage. Forwards only
+  /// unless `training`.
   std::vector<schedules::Program> programs;
   /// Micro-batches of one batch: stage calls run under MicroBatchGuard{i, n}.
   bool micro_batched = false;
@@ -78,6 +79,7 @@ struct CallSpec {
 
   // Training steps (Note [Training runtime]).
   bool training = false;
+  const char* schedule = "";  // its name, for the timeline
   /// Item i's targets, on the caller's devices.
   std::function<Tensors(int64_t)> target;
   /// The weighted loss of item i from the last stage's outputs and the targets
@@ -142,11 +144,15 @@ class Executor {
   /// Every stage stream waits for the caller's current stream on its device.
   void fork() const;
   void forward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
-  void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
+  /// B(item) (full backward) or, with `split`, I(item): the gradients of the
+  /// stage's inputs only, keeping the graph for weight_action.
+  void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
+  /// W(item): the gradients of the stage's weights from the graph I kept.
+  void weight_action(Run& run, int64_t stage, int64_t item);
   /// Runs one action, catching its failure; false when the call has failed
   /// (here or elsewhere) and the stage must stop.
-  bool run_action(Run& run, int64_t stage, const schedules::Op& op);
-  void run_program(Run& run, int64_t stage);
+  bool run_action(Run& run, const schedules::Op& op);
+  void run_program(Run& run, size_t rank);
   /// Inside a catch block: the current exception as a c10::Error naming the
   /// call, the stage, its device, the phase and the item.
   std::exception_ptr describe_failure(const CallSpec& call, const char* phase, int64_t stage,

@@ -32,6 +32,12 @@ class Recorder {
                const c10::optional<c10::Stream>& stream);
   void end(size_t index, const c10::optional<c10::Stream>& stream);
 
+  /// Names the schedule and the worker of each stage (before any task).
+  void describe_schedule(std::string name, std::vector<int64_t> stage_ranks) {
+    timeline_.schedule = std::move(name);
+    timeline_.stage_ranks = std::move(stage_ranks);
+  }
+
   /// The recorded timeline; waits for the device events it needs.
   Timeline finish();
 

@@ -15,6 +15,8 @@ const char* to_string(TaskKind kind) {
   switch (kind) {
     case TaskKind::Forward: return "forward";
     case TaskKind::Backward: return "backward";
+    case TaskKind::BackwardInput: return "input gradient";
+    case TaskKind::BackwardWeight: return "weight gradient";
     case TaskKind::Recompute: return "recompute";
     case TaskKind::Copy: return "copy";
   }
@@ -68,6 +70,8 @@ std::string letter(TaskKind k) {
   switch (k) {
     case TaskKind::Forward: return "F";
     case TaskKind::Backward: return "B";
+    case TaskKind::BackwardInput: return "I";
+    case TaskKind::BackwardWeight: return "W";
     case TaskKind::Recompute: return "R";
     case TaskKind::Copy: return "C";
   }
@@ -77,7 +81,10 @@ std::string letter(TaskKind k) {
 /// Distinct hues for consecutive items (golden-angle steps).
 std::string colour(int64_t item, TaskKind kind) {
   const double hue = std::fmod(static_cast<double>(item) * 137.508, 360.0);
-  const int light = kind == TaskKind::Backward ? 38 : kind == TaskKind::Recompute ? 78 : 62;
+  const int light = kind == TaskKind::Backward || kind == TaskKind::BackwardInput ? 38
+                    : kind == TaskKind::BackwardWeight                         ? 26
+                    : kind == TaskKind::Recompute                              ? 78
+                                                                               : 62;
   return "hsl(" + fixed(hue, 1) + ",70%," + std::to_string(light) + "%)";
 }
 
@@ -92,6 +99,23 @@ double tick_step(double span, int target) {
   return 10 * mag;
 }
 
+/// "stage 2 (cuda:0)" for a worker running one stage, else "worker 0: stages
+/// 0, 2 (cuda:0)".
+std::string row_label(const Timeline& t, int64_t rank) {
+  std::vector<int64_t> stages;
+  for (int64_t s = 0; s < t.n_stages; ++s) {
+    if (t.rank_of(s) == rank) stages.push_back(s);
+  }
+  std::string dev = "?";
+  if (!stages.empty() && stages[0] < static_cast<int64_t>(t.stage_devices.size())) {
+    dev = t.stage_devices[static_cast<size_t>(stages[0])].str();
+  }
+  if (stages.size() == 1) return "stage " + std::to_string(stages[0]) + " (" + dev + ")";
+  std::string list;
+  for (int64_t s : stages) list += (list.empty() ? "" : ",") + std::to_string(s);
+  return "worker " + std::to_string(rank) + ": stages " + list + " (" + dev + ")";
+}
+
 std::string plural(const std::string& noun, int64_t n) {
   if (n == 1) return noun;
   const bool es = noun.size() >= 2 && (noun.compare(noun.size() - 2, 2, "ch") == 0 ||
@@ -102,6 +126,18 @@ std::string plural(const std::string& noun, int64_t n) {
 
 }  // namespace
 
+int64_t Timeline::rank_of(int64_t stage) const {
+  return stage >= 0 && stage < static_cast<int64_t>(stage_ranks.size())
+             ? stage_ranks[static_cast<size_t>(stage)]
+             : stage;
+}
+
+int64_t Timeline::n_ranks() const {
+  int64_t n = 0;
+  for (int64_t s = 0; s < n_stages; ++s) n = std::max(n, rank_of(s) + 1);
+  return n;
+}
+
 double Timeline::makespan_ms() const {
   if (tasks.empty()) return 0.0;
   double end = -std::numeric_limits<double>::infinity();
@@ -111,35 +147,34 @@ double Timeline::makespan_ms() const {
 
 double Timeline::bubble_fraction() const {
   const double span = makespan_ms();
-  if (span <= 0 || n_stages <= 0) return 0.0;
+  if (span <= 0 || n_ranks() <= 0) return 0.0;
   double busy = 0;
   for (const auto& t : tasks) {
     if (is_work(t.kind)) busy += std::max(0.0, t.end_ms - t.start_ms);
   }
-  return std::max(0.0, 1.0 - busy / (static_cast<double>(n_stages) * span));
+  return std::max(0.0, 1.0 - busy / (static_cast<double>(n_ranks()) * span));
 }
 
 std::string Timeline::to_chrome_trace() const {
   std::ostringstream out;
   out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"method\":\"" << json_escape(method)
-      << "\",\"stages\":" << n_stages << ",\"items\":" << n_items
+      << "\",\"schedule\":\"" << json_escape(schedule) << "\",\"stages\":" << n_stages
+      << ",\"workers\":" << n_ranks() << ",\"items\":" << n_items
       << ",\"makespan_ms\":" << fixed(makespan_ms(), 4)
       << ",\"bubble_measured\":" << fixed(bubble_fraction(), 4)
       << ",\"bubble_schedule\":" << fixed(schedule_bubble, 4) << "},\"traceEvents\":[";
   out << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"tid\":0,\"args\":{\"name\":\"mpipe "
       << json_escape(method) << "\"}}";
-  for (int64_t j = 0; j < n_stages; ++j) {
-    const std::string dev =
-        j < static_cast<int64_t>(stage_devices.size()) ? stage_devices[j].str() : "?";
+  for (int64_t j = 0; j < n_ranks(); ++j) {
     out << ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
-        << ",\"args\":{\"name\":\"stage " << j << " (" << json_escape(dev) << ")\"}}";
+        << ",\"args\":{\"name\":\"" << json_escape(row_label(*this, j)) << "\"}}";
     out << ",{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":0,\"tid\":" << j
         << ",\"args\":{\"sort_index\":" << j << "}}";
   }
   const double t0 = first_start(*this);
   for (const auto& t : tasks) {
     out << ",{\"name\":\"" << letter(t.kind) << t.item << "\",\"cat\":\"" << to_string(t.kind)
-        << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << t.stage
+        << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << rank_of(t.stage)
         << ",\"ts\":" << fixed((t.start_ms - t0) * 1000.0, 3)
         << ",\"dur\":" << fixed(std::max(0.0, t.end_ms - t.start_ms) * 1000.0, 3)
         << ",\"args\":{\"stage\":" << t.stage << ",\"" << json_escape(item_name) << "\":" << t.item
@@ -152,7 +187,8 @@ std::string Timeline::to_chrome_trace() const {
 std::string Timeline::to_svg() const {
   const double left = 150, right = 30, top = 58, row = 30, gap = 8, width = 1000;
   const double plot = width - left - right;
-  const double height = top + static_cast<double>(std::max<int64_t>(n_stages, 1)) * (row + gap) + 58;
+  const int64_t rows = n_ranks();
+  const double height = top + static_cast<double>(std::max<int64_t>(rows, 1)) * (row + gap) + 58;
   const double span = std::max(makespan_ms(), 1e-9);
   const double t0 = first_start(*this);
   auto x_of = [&](double ms) { return left + (ms - t0) / span * plot; };
@@ -164,23 +200,22 @@ std::string Timeline::to_svg() const {
   out << "<rect x=\"0\" y=\"0\" width=\"" << fixed(width, 0) << "\" height=\"" << fixed(height, 0)
       << "\" fill=\"white\"/>\n";
   out << "<text x=\"" << fixed(left, 0) << "\" y=\"20\" font-size=\"15\" font-weight=\"bold\">mpipe "
-      << escape(method) << ": " << n_stages << " stages, " << n_items << " "
+      << escape(method) << (schedule.empty() ? "" : " (" + escape(schedule) + ")") << ": "
+      << n_stages << " stages, " << n_items << " "
       << escape(plural(item_name, n_items)) << ", " << fixed(makespan_ms(), 2) << " ms</text>\n";
   out << "<text x=\"" << fixed(left, 0) << "\" y=\"40\">bubble: measured "
       << fixed(100 * bubble_fraction(), 1) << " %, schedule " << fixed(100 * schedule_bubble, 1)
-      << " %  (F forward, B backward, R recompute, C copy; colour = " << escape(item_name)
+      << " %  (F forward, B backward, I/W input/weight gradient, R recompute, C copy; colour = " << escape(item_name)
       << ")</text>\n";
-  for (int64_t j = 0; j < n_stages; ++j) {
+  for (int64_t j = 0; j < rows; ++j) {
     const double y = top + static_cast<double>(j) * (row + gap);
-    const std::string dev =
-        j < static_cast<int64_t>(stage_devices.size()) ? stage_devices[j].str() : "?";
     out << "<rect x=\"" << fixed(left, 1) << "\" y=\"" << fixed(y, 1) << "\" width=\""
         << fixed(plot, 1) << "\" height=\"" << fixed(row, 1) << "\" fill=\"#f2f2f2\"/>\n";
     out << "<text x=\"" << fixed(left - 8, 1) << "\" y=\"" << fixed(y + row / 2 + 4, 1)
-        << "\" text-anchor=\"end\">stage " << j << " (" << escape(dev) << ")</text>\n";
+        << "\" text-anchor=\"end\">" << escape(row_label(*this, j)) << "</text>\n";
   }
   for (const auto& t : tasks) {
-    const double y0 = top + static_cast<double>(t.stage) * (row + gap);
+    const double y0 = top + static_cast<double>(rank_of(t.stage)) * (row + gap);
     const bool copy = t.kind == TaskKind::Copy;
     const double y = copy ? y0 + row * 0.7 : y0;
     const double h = copy ? row * 0.3 : row;
@@ -196,10 +231,13 @@ std::string Timeline::to_svg() const {
     if (!copy && w >= 7.5 * static_cast<double>(label.size()) + 4) {
       out << "<text x=\"" << fixed(x + w / 2, 2) << "\" y=\"" << fixed(y + row / 2 + 4, 1)
           << "\" text-anchor=\"middle\" font-size=\"11\" fill=\""
-          << (t.kind == TaskKind::Backward ? "white" : "black") << "\">" << label << "</text>\n";
+          << (t.kind == TaskKind::Backward || t.kind == TaskKind::BackwardInput ||
+                      t.kind == TaskKind::BackwardWeight
+                  ? "white"
+                  : "black") << "\">" << label << "</text>\n";
     }
   }
-  const double axis_y = top + static_cast<double>(std::max<int64_t>(n_stages, 1)) * (row + gap) + 4;
+  const double axis_y = top + static_cast<double>(std::max<int64_t>(rows, 1)) * (row + gap) + 4;
   out << "<line x1=\"" << fixed(left, 1) << "\" y1=\"" << fixed(axis_y, 1) << "\" x2=\""
       << fixed(left + plot, 1) << "\" y2=\"" << fixed(axis_y, 1) << "\" stroke=\"black\"/>\n";
   const double step = tick_step(span, 8);

@@ -41,6 +41,58 @@ at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out, const a
               "the loss function failed: ", what);
 }
 
+void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
+  const int64_t v = step.virtual_stages();
+  const bool interleaved =
+      step.schedule() == Schedule::Interleaved1F1B || step.schedule() == Schedule::Auto;
+  TORCH_CHECK(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ", v);
+  TORCH_CHECK(v == 1 || interleaved, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+              " applies to Schedule::Interleaved1F1B and Schedule::Auto, not ",
+              to_string(step.schedule()));
+  TORCH_CHECK(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+              " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
+              "n_stages / virtual_stages))");
+  const auto& costs = step.stage_costs();
+  TORCH_CHECK(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
+              "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),
+              " entries for ", n_stages, " stages (give one, or one per stage)");
+  for (size_t s = 0; s < costs.size(); ++s) {
+    const auto& c = costs[s];
+    TORCH_CHECK(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
+                    c.transfer >= 0,
+                "mpipe::ModelPipeline::train_step: stage_costs[", s,
+                "] has a negative or NaN cost (forward ", c.forward, ", backward_input ",
+                c.backward_input, ", backward_weight ", c.backward_weight, ", transfer ",
+                c.transfer, ")");
+  }
+  const auto& bytes = step.activation_bytes();
+  TORCH_CHECK(bytes.empty() || static_cast<int64_t>(bytes.size()) == n_stages,
+              "mpipe::ModelPipeline::train_step: activation_bytes has ", bytes.size(),
+              " entries for ", n_stages, " stages");
+  for (size_t s = 0; s < bytes.size(); ++s) {
+    TORCH_CHECK(bytes[s] >= 0, "mpipe::ModelPipeline::train_step: activation_bytes[", s,
+                "] must be >= 0, got ", bytes[s]);
+  }
+  TORCH_CHECK(step.memory_limit() >= 0, "mpipe::ModelPipeline::train_step: memory_limit must be "
+              ">= 0 (0: no limit), got ", step.memory_limit());
+}
+
+/// A label per stage: stages on one device share it.
+std::vector<int64_t> device_labels(const std::vector<c10::Device>& devices) {
+  std::vector<int64_t> labels;
+  for (size_t s = 0; s < devices.size(); ++s) {
+    int64_t label = static_cast<int64_t>(s);
+    for (size_t q = 0; q < s; ++q) {
+      if (devices[q] == devices[s]) {
+        label = labels[q];
+        break;
+      }
+    }
+    labels.push_back(label);
+  }
+  return labels;
+}
+
 void check_grad_mode(const char* method) {
   TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
               "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
@@ -104,6 +156,7 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
   TORCH_CHECK(step.split_size() > 0,
               "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
               step.split_size());
+  check_schedule(step, static_cast<int64_t>(devices.size()));
   check_grad_mode("train_step");
   const int64_t rows = step.split_size();
   const bool mean = step.reduction() == LossReduction::Mean;
@@ -121,7 +174,13 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
     spec.training = true;
     spec.micro_batched = true;
     spec.n_items = (batch - 1) / rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
-    spec.programs = programs_for(step.schedule(), spec.n_items, n_stages);
+    const Schedule schedule = step.schedule() == Schedule::Auto
+                                  ? choose_schedule(spec.n_items, n_stages, step,
+                                                    device_labels(devices))
+                                        .schedule
+                                  : step.schedule();
+    spec.schedule = to_string(schedule);
+    spec.programs = programs_for(schedule, spec.n_items, n_stages, step.virtual_stages());
     spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
     spec.target = [&](int64_t i) {
       return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};

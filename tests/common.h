@@ -176,6 +176,36 @@ void expect_train_step_transparent(mpipe::ModelPipeline& pipe, Modules stages,
   zero_grads(*pipe);
 }
 
+/// Every schedule train_step offers.
+inline std::vector<mpipe::Schedule> all_schedules() {
+  return {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB, mpipe::Schedule::Interleaved1F1B,
+          mpipe::Schedule::ZeroBubbleH1, mpipe::Schedule::Auto};
+}
+
+/// TrainStepOptions for `schedule` on n_stages stages: Interleaved1F1B and
+/// Auto get 2 chunks per worker when n_stages is even, else every stage on
+/// one worker.
+inline mpipe::TrainStepOptions schedule_options(mpipe::Schedule schedule, int64_t split,
+                                                int64_t n_stages) {
+  auto o = mpipe::TrainStepOptions(split).schedule(schedule);
+  if (schedule == mpipe::Schedule::Interleaved1F1B || schedule == mpipe::Schedule::Auto) {
+    o.virtual_stages(n_stages % 2 == 0 ? 2 : n_stages);
+  }
+  return o;
+}
+
+/// A name usable in test names: GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, Auto.
+inline std::string schedule_name(mpipe::Schedule s) {
+  switch (s) {
+    case mpipe::Schedule::GPipe: return "GPipe";
+    case mpipe::Schedule::OneFOneB: return "OneFOneB";
+    case mpipe::Schedule::Interleaved1F1B: return "Interleaved1F1B";
+    case mpipe::Schedule::ZeroBubbleH1: return "ZeroBubbleH1";
+    case mpipe::Schedule::Auto: return "Auto";
+  }
+  return "Unknown";
+}
+
 /// Expects `stmt` to throw c10::Error whose message contains every piece.
 #define MPIPE_EXPECT_ERROR(stmt, ...)                                             \
   do {                                                                              \

@@ -128,7 +128,8 @@ void prepare_grads(torch::nn::Module& m, int step) {
 TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device g("cuda:0");
-  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+  for (auto schedule : all_schedules()) {
+    SCOPED_TRACE(schedule_name(schedule));
     torch::manual_seed(19);
     auto eager = ModelPipeline();
     auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
@@ -148,7 +149,7 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
     auto loss_fn = [](const torch::Tensor& y, const torch::Tensor& t) {
       return (y - t).pow(2).mean();
     };
-    const auto options = mpipe::TrainStepOptions(4).schedule(schedule);
+    const auto options = schedule_options(schedule, 4, 3);
     std::vector<int64_t> calls_before;  // host calls before each step
     for (int step = 0; step < 7; ++step) {
       calls_before.push_back(host->calls);

@@ -89,11 +89,11 @@ std::vector<CallKind> call_kinds() {
                      out.pow(2).sum().backward();
                      return out;
                    }});
-  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB}) {
-    kinds.push_back({std::string("train_step/") + (s == Schedule::GPipe ? "gpipe" : "1f1b"), true,
+  for (Schedule s : all_schedules()) {
+    kinds.push_back({"train_step/" + schedule_name(s), true,
                      [s, mse](ModelPipelineImpl& p, const torch::Tensor& x) {
-                       return p.train_step(x, torch::ones_like(x), mse,
-                                           TrainStepOptions(3).schedule(s));
+                       const auto n = static_cast<int64_t>(p.size());
+                       return p.train_step(x, torch::ones_like(x), mse, schedule_options(s, 3, n));
                      }});
   }
   kinds.push_back({"constant_train_step", true,
@@ -197,10 +197,10 @@ TEST(RandomDraws, CheckpointedRecomputeDrawsTheForwardsMasks) {
   auto mse = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
   std::map<std::string, torch::Tensor> reference;
   for (Checkpoint c : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
-    for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB}) {
+    for (Schedule s : all_schedules()) {
       auto pipe = stochastic_pipeline({"cpu", "cpu", "cpu"}, true, c);
       torch::manual_seed(7);
-      pipe->train_step(x, torch::zeros_like(x), mse, TrainStepOptions(2).schedule(s));
+      pipe->train_step(x, torch::zeros_like(x), mse, schedule_options(s, 2, 3));
       if (reference.empty()) {
         reference = grads_of(*pipe);
       } else {

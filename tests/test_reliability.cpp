@@ -217,8 +217,8 @@ std::vector<CallKind> call_kinds() {
                      return y;
                    },
                    warm_time});
-  for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
-    kinds.push_back({schedule == Schedule::GPipe ? "train_step(GPipe)" : "train_step(1F1B)", false,
+  for (auto schedule : all_schedules()) {
+    kinds.push_back({"train_step(" + schedule_name(schedule) + ")", false,
                      batch / split, true, schedule,
                      [=](ModelPipeline& p) {
                        return p->train_step(x, target, mse,
@@ -294,7 +294,7 @@ TEST_P(CheckpointedState, StatefulStagesEqualThePlainModel) {
   torch::manual_seed(42);
   const auto x = torch::randn({batch, 5}, torch::kDouble) * 2;
   const auto target = torch::randn({batch, 3}, torch::kDouble);
-  const auto options = TrainStepOptions(split).schedule(schedule);
+  const auto options = schedule_options(schedule, split, 3);
 
   // Step 0 from rest against the plain model on the whole batch.
   auto loss = pipe->train_step(x, target, mse, options);
@@ -357,7 +357,7 @@ std::string checkpointed_state_name(
     const ::testing::TestParamInfo<std::tuple<Schedule, Checkpoint, bool, bool>>& info) {
   const Schedule schedule = std::get<0>(info.param);
   const Checkpoint checkpoint = std::get<1>(info.param);
-  std::string s = schedule == Schedule::GPipe ? "GPipe" : "OneFOneB";
+  std::string s = schedule_name(schedule);
   s += checkpoint == Checkpoint::Never        ? "_Never"
        : checkpoint == Checkpoint::ExceptLast ? "_ExceptLast"
                                               : "_Always";
@@ -368,7 +368,7 @@ std::string checkpointed_state_name(
 
 INSTANTIATE_TEST_SUITE_P(
     Reliability, CheckpointedState,
-    ::testing::Combine(::testing::Values(Schedule::GPipe, Schedule::OneFOneB),
+    ::testing::Combine(::testing::ValuesIn(all_schedules()),
                        ::testing::Values(Checkpoint::Never, Checkpoint::ExceptLast,
                                          Checkpoint::Always),
                        ::testing::Bool(), ::testing::Bool()),
@@ -395,7 +395,7 @@ TEST(StatefulCheckpointing, ModulesWithoutSnapshotsAreRefused) {
 
 TEST(StatefulCheckpointing, LossFunctionRunsOncePerMicroBatch) {
   for (auto checkpoint : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    for (auto schedule : all_schedules()) {
       auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
       pipe->append(torch::nn::Linear(3, 3), "cpu").append(torch::nn::Linear(3, 3), "cpu");
       int calls = 0;
@@ -564,8 +564,16 @@ TEST(FaultInjection, EveryStagePositionAndPhase) {
                                    "stage " + std::to_string(stage),
                                    "backward of " + position, "planted fault");
               } else if (kind.has_backward && kind.name != "constant_train_step") {
-                MPIPE_EXPECT_ERROR(kind.run(pipe), "stage " + std::to_string(stage),
-                                   std::string(phase_name(phase)) + " of " + position,
+                // A split backward fails in I, or in W where I had no input
+                // gradient to compute (stage 0: the input needs none); Auto
+                // names whichever it chose.
+                std::string described = std::string(phase_name(phase)) + " of " + position;
+                if (phase == Phase::Backward && kind.schedule == Schedule::ZeroBubbleH1) {
+                  described = (stage == 0 ? "weight gradient of " : "input gradient of ") + position;
+                } else if (phase == Phase::Backward && kind.schedule == Schedule::Auto) {
+                  described = position;
+                }
+                MPIPE_EXPECT_ERROR(kind.run(pipe), "stage " + std::to_string(stage), described,
                                    "planted fault");
               } else {
                 MPIPE_EXPECT_ERROR(kind.run(pipe), "stage " + std::to_string(stage), position,

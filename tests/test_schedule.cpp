@@ -62,3 +62,233 @@ TEST(Schedule, BubbleFraction) {
   EXPECT_DOUBLE_EQ(mpipe::schedules::fill_drain_bubble(1, 1), 0.0);
   EXPECT_DOUBLE_EQ(mpipe::schedules::fill_drain_bubble(0, 4), 0.0);
 }
+
+// ---------------------------------------------------------------------------
+// Training schedules, as pure functions: exact programs for small sizes, the
+// simulated clock, invariants over a grid, and bad programs.
+
+#include <mpipe/training.h>
+
+namespace sch = mpipe::schedules;
+using sch::B;
+using sch::F;
+using sch::I;
+using sch::W;
+
+namespace {
+
+std::string describe(const std::vector<sch::Program>& programs) {
+  std::string s;
+  for (size_t r = 0; r < programs.size(); ++r) {
+    s += "rank " + std::to_string(r) + ":";
+    for (const auto& op : programs[r]) s += " " + sch::to_string(op);
+    s += "\n";
+  }
+  return s;
+}
+
+double max_peak(const std::vector<sch::Program>& programs) {
+  double peak = 0;
+  for (const auto& p : programs) peak = std::max(peak, sch::peak_activations(p));
+  return peak;
+}
+
+}  // namespace
+
+TEST(TrainingSchedule, ProgramsAreExactForSmallSizes) {
+  EXPECT_EQ(sch::gpipe(3, 2),
+            (std::vector<sch::Program>{{F(0, 0), F(1, 0), F(2, 0), B(0, 0), B(1, 0), B(2, 0)},
+                                       {F(0, 1), F(1, 1), F(2, 1), B(0, 1), B(1, 1), B(2, 1)}}));
+  EXPECT_EQ(sch::one_f_one_b(4, 2),
+            (std::vector<sch::Program>{
+                {F(0, 0), F(1, 0), B(0, 0), F(2, 0), B(1, 0), F(3, 0), B(2, 0), B(3, 0)},
+                {F(0, 1), B(0, 1), F(1, 1), B(1, 1), F(2, 1), B(2, 1), F(3, 1), B(3, 1)}}));
+  EXPECT_EQ(sch::one_f_one_b(2, 4)[0], (sch::Program{F(0, 0), F(1, 0), B(0, 0), B(1, 0)}));
+  EXPECT_EQ(sch::forward_only(2, 2),
+            (std::vector<sch::Program>{{F(0, 0), F(1, 0)}, {F(0, 1), F(1, 1)}}));
+}
+
+TEST(TrainingSchedule, InterleavedProgramsFollowMegatronsRule) {
+  // 4 stages on 2 ranks (stages 0, 2 on rank 0; 1, 3 on rank 1), 4
+  // micro-batches in groups of 2. Rank r warms up with 2 (d - r - 1) +
+  // (v - 1) d forwards, then alternates; backwards run the chunks in reverse.
+  const auto p = sch::interleaved_one_f_one_b(4, 4, 2);
+  const std::vector<sch::Program> expected = {
+      {F(0, 0), F(1, 0), F(0, 2), F(1, 2),                    // warm-up: 4
+       F(2, 0), B(0, 2), F(3, 0), B(1, 2), F(2, 2), B(0, 0), F(3, 2), B(1, 0),
+       B(2, 2), B(3, 2), B(2, 0), B(3, 0)},
+      {F(0, 1), F(1, 1),                                      // warm-up: 2
+       F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1),
+       F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 1), B(3, 1)}};
+  EXPECT_EQ(p, expected) << describe(p);
+  EXPECT_EQ(sch::stage_ranks(p), (std::vector<int64_t>{0, 1, 0, 1}));
+  // One chunk per rank is 1F1B.
+  EXPECT_EQ(sch::interleaved_one_f_one_b(5, 3, 1), sch::one_f_one_b(5, 3));
+  // 3 micro-batches: built for 4, micro-batch 3's operations dropped.
+  auto padded = sch::interleaved_one_f_one_b(4, 4, 2);
+  for (auto& prog : padded) {
+    prog.erase(std::remove_if(prog.begin(), prog.end(),
+                              [](const sch::Op& op) { return op.micro_batch == 3; }),
+               prog.end());
+  }
+  EXPECT_EQ(sch::interleaved_one_f_one_b(3, 4, 2), padded);
+}
+
+TEST(TrainingSchedule, ZeroBubbleH1ProgramsDeferWeightGradients) {
+  // Stage s runs min(n - s, m) forwards, then I(k), W(k - s), the next F.
+  const auto p = sch::zero_bubble_h1(3, 2);
+  const std::vector<sch::Program> expected = {
+      {F(0, 0), F(1, 0), I(0, 0), W(0, 0), F(2, 0), I(1, 0), W(1, 0), I(2, 0), W(2, 0)},
+      {F(0, 1), I(0, 1), F(1, 1), I(1, 1), W(0, 1), F(2, 1), I(2, 1), W(1, 1), W(2, 1)}};
+  EXPECT_EQ(p, expected) << describe(p);
+}
+
+TEST(TrainingSchedule, SimulateRunsEachOperationAsEarlyAsItsInputsAllow) {
+  // 1F1B, 3 micro-batches, 2 stages; F = 1, B = I + W = 2.
+  using T = sch::TimedOp;
+  const std::vector<T> expected = {
+      T{0, F(0, 0), 0, 1},  T{0, F(1, 0), 1, 2},  T{1, F(0, 1), 1, 2},  T{1, B(0, 1), 2, 4},
+      T{0, B(0, 0), 4, 6},  T{1, F(1, 1), 4, 5},  T{1, B(1, 1), 5, 7},  T{0, F(2, 0), 6, 7},
+      T{0, B(1, 0), 7, 9},  T{1, F(2, 1), 7, 8},  T{1, B(2, 1), 8, 10}, T{0, B(2, 0), 10, 12},
+  };
+  EXPECT_EQ(sch::simulate(sch::one_f_one_b(3, 2)), expected);
+  EXPECT_DOUBLE_EQ(sch::makespan(sch::one_f_one_b(3, 2)), 12);
+  // Per-stage costs and transfers: F(0, 1) waits for F(0, 0) plus the hand-off.
+  const sch::Costs costs = {{2, 1, 1, 0.5}, {1, 3, 1, 0}};
+  const auto t = sch::simulate(sch::gpipe(1, 2), costs);
+  EXPECT_EQ(t, (std::vector<T>{T{0, F(0, 0), 0, 2}, T{1, F(0, 1), 2.5, 3.5},
+                               T{1, B(0, 1), 3.5, 7.5}, T{0, B(0, 0), 8, 10}}));
+  // Split backward: W waits for I only.
+  EXPECT_EQ(sch::simulate({{F(0, 0), I(0, 0), W(0, 0)}}),
+            (std::vector<T>{T{0, F(0, 0), 0, 1}, T{0, I(0, 0), 1, 2}, T{0, W(0, 0), 2, 3}}));
+}
+
+TEST(TrainingSchedule, InvariantsOverAGrid) {
+  for (int64_t m = 1; m <= 9; ++m) {
+    for (int64_t n = 1; n <= 5; ++n) {
+      SCOPED_TRACE(std::to_string(m) + " micro-batches, " + std::to_string(n) + " stages");
+      const auto gp = sch::gpipe(m, n), ofob = sch::one_f_one_b(m, n), zb = sch::zero_bubble_h1(m, n);
+      for (const auto* p : {&gp, &ofob, &zb}) EXPECT_NO_THROW(sch::validate(*p, n, m));
+      // GPipe and 1F1B: 3 (m + n - 1) time units, bubble (n - 1) / (m + n - 1).
+      EXPECT_DOUBLE_EQ(sch::makespan(gp), 3.0 * static_cast<double>(m + n - 1));
+      EXPECT_DOUBLE_EQ(sch::makespan(ofob), 3.0 * static_cast<double>(m + n - 1));
+      EXPECT_NEAR(sch::bubble(ofob), static_cast<double>(n - 1) / static_cast<double>(m + n - 1),
+                  1e-12);
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_EQ(sch::peak_in_flight(gp[j]), m);
+        EXPECT_EQ(sch::peak_in_flight(ofob[j]), std::min(n - j, m));
+        EXPECT_LE(sch::peak_in_flight(zb[j]), std::min(n, m));
+      }
+      // ZB-H1: 1F1B's peak; with m >= n, 3m + n - 1 units: the bubble time
+      // per rank is n - 1, a third of 1F1B's 3 (n - 1).
+      EXPECT_EQ(max_peak(zb), max_peak(ofob));
+      if (m >= n) EXPECT_DOUBLE_EQ(sch::makespan(zb), 3.0 * static_cast<double>(m) + n - 1);
+      EXPECT_LE(sch::makespan(zb), sch::makespan(ofob));
+      // Interleaved: v chunks per rank. With m a multiple of d, 3 v m + 3 (d - 1)
+      // units of a chunk: the bubble (d - 1) / (v m + d - 1), about v times
+      // smaller than 1F1B's (d - 1) / (m + d - 1) over the same d ranks.
+      for (int64_t v = 1; v <= 3; ++v) {
+        const int64_t d = n;  // ranks
+        const auto il = sch::interleaved_one_f_one_b(m, d * v, v);
+        EXPECT_NO_THROW(sch::validate(il, d * v, m));
+        EXPECT_EQ(static_cast<int64_t>(il.size()), d);
+        EXPECT_EQ(static_cast<int64_t>(sch::simulate(il).size()), 2 * m * d * v);
+        if (m % d == 0) {
+          EXPECT_DOUBLE_EQ(sch::makespan(il), 3.0 * static_cast<double>(v * m + d - 1));
+          EXPECT_NEAR(sch::bubble(il),
+                      static_cast<double>(d - 1) / static_cast<double>(v * m + d - 1), 1e-12);
+        }
+      }
+    }
+  }
+}
+
+TEST(TrainingSchedule, BadProgramsAreRejected) {
+  EXPECT_THROW(sch::gpipe(0, 2), std::invalid_argument);
+  EXPECT_THROW(sch::one_f_one_b(2, 0), std::invalid_argument);
+  EXPECT_THROW(sch::zero_bubble_h1(0, 1), std::invalid_argument);
+  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 3, 2), std::invalid_argument);  // 2 does not divide 3
+  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 4, 0), std::invalid_argument);
+  auto rejects = [](const std::vector<sch::Program>& p, int64_t n, int64_t m,
+                    const std::string& why) {
+    try {
+      sch::validate(p, n, m);
+      ADD_FAILURE() << "accepted: " << describe(p);
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  rejects({{F(0, 0), B(0, 0), B(0, 0)}}, 1, 1, "B(0, 0) on rank 0: repeated");
+  rejects({{B(0, 0), F(0, 0)}}, 1, 1, "before the forward");
+  rejects({{F(0, 0)}}, 1, 1, "stage 0 misses the backward of micro-batch 0");
+  rejects({{F(0, 0), I(0, 0)}}, 1, 1, "misses the weight gradient");
+  rejects({{F(0, 0), W(0, 0), I(0, 0)}}, 1, 1, "weight gradient before the input gradient");
+  rejects({{F(0, 0), I(0, 0), B(0, 0), W(0, 0)}}, 1, 1, "both a full and a split backward");
+  rejects({{F(0, 0), B(0, 0)}, {F(0, 1)}, {B(0, 1)}}, 2, 1, "also runs on rank 1");
+  rejects({{F(0, 0), B(0, 0), F(0, 1), B(0, 1)}}, 1, 1, "out of range");
+  rejects({{F(0, 0)}, {B(0, 0)}}, 1, 1, "also runs on rank 0");
+  // A cycle: stage 1 wants F(1) before F(0); stage 0 runs B(0) before F(1).
+  const std::vector<sch::Program> cycle = {{F(0, 0), B(0, 0), F(1, 0), B(1, 0)},
+                                           {F(1, 1), B(1, 1), F(0, 1), B(0, 1)}};
+  EXPECT_NO_THROW(sch::validate(cycle, 2, 2));
+  EXPECT_THROW(sch::simulate(cycle), std::invalid_argument);
+  EXPECT_THROW(sch::simulate(sch::gpipe(2, 2), {{1, -1, 1, 0}}), std::invalid_argument);
+  EXPECT_THROW(sch::simulate(sch::gpipe(2, 3), {{}, {}}), std::invalid_argument);  // 2 costs, 3 stages
+}
+
+TEST(ScheduleChoice, PicksTheFastestThatFits) {
+  using mpipe::Schedule;
+  using mpipe::TrainStepOptions;
+  // Equal stages, no memory limit: ZB-H1 has the least bubble of the three.
+  auto c = mpipe::choose_schedule(8, 4, TrainStepOptions(1));
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
+  ASSERT_EQ(c.candidates.size(), 3u);
+  EXPECT_DOUBLE_EQ(c.candidates[0].time, 33);  // GPipe: 3 (8 + 4 - 1)
+  EXPECT_DOUBLE_EQ(c.candidates[1].time, 33);  // 1F1B
+  EXPECT_DOUBLE_EQ(c.candidates[2].time, 27);  // ZB-H1: 3 * 8 + 4 - 1
+  // Memory: one unit per micro-batch and stage; a limit of 4 leaves out
+  // GPipe (8 in flight) but not 1F1B or ZB-H1 (4).
+  c = mpipe::choose_schedule(
+      8, 4, TrainStepOptions(1).activation_bytes({1, 1, 1, 1}).memory_limit(4));
+  EXPECT_FALSE(c.candidates[0].fits);
+  EXPECT_DOUBLE_EQ(c.candidates[0].peak_memory, 8);
+  EXPECT_TRUE(c.candidates[1].fits);
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
+  // With a tight limit nothing fits: the least peak wins (1F1B, before ZB-H1).
+  c = mpipe::choose_schedule(8, 4,
+                             TrainStepOptions(1).activation_bytes({1, 1, 1, 1}).memory_limit(2));
+  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  // 4 stages on 2 devices (stage s on device s % 2), 2 chunks per worker.
+  // Workers that share a device take turns on it, so GPipe's 4 workers fill
+  // each other's bubbles as well as interleaving does (51 = 3 (2 * 8 + 2 - 1)
+  // units, a tie won by the earlier candidate), but hold 16 micro-batches
+  // per device. A limit of 6 leaves 1F1B (4 + 2) and Interleaved1F1B (5),
+  // and interleaving is the faster.
+  const std::vector<int64_t> devices = {0, 1, 0, 1};
+  c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).virtual_stages(2), devices);
+  ASSERT_EQ(c.candidates.size(), 4u);
+  EXPECT_EQ(c.candidates[3].schedule, Schedule::Interleaved1F1B);
+  EXPECT_DOUBLE_EQ(c.candidates[3].time, 3.0 * (2 * 8 + 2 - 1));
+  EXPECT_DOUBLE_EQ(c.candidates[0].time, 3.0 * (2 * 8 + 2 - 1));
+  EXPECT_EQ(c.schedule, Schedule::GPipe);
+  c = mpipe::choose_schedule(
+      8, 4, TrainStepOptions(1).virtual_stages(2).activation_bytes({1, 1, 1, 1}).memory_limit(6),
+      devices);
+  EXPECT_DOUBLE_EQ(c.candidates[0].peak_memory, 16);
+  EXPECT_DOUBLE_EQ(c.candidates[1].peak_memory, 6);
+  EXPECT_DOUBLE_EQ(c.candidates[2].peak_memory, 8);
+  EXPECT_DOUBLE_EQ(c.candidates[3].peak_memory, 5);
+  EXPECT_DOUBLE_EQ(c.candidates[1].time, 52);
+  EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
+  // Costly hand-offs: interleaving crosses devices twice as often and gains
+  // nothing (a tie, won by the earlier candidate).
+  c = mpipe::choose_schedule(
+      8, 4,
+      TrainStepOptions(1).virtual_stages(2).stage_costs({{1, 1, 1, 2}}).activation_bytes(
+          {1, 1, 1, 1}).memory_limit(6),
+      devices);
+  EXPECT_GE(c.candidates[3].time, c.candidates[1].time);
+  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  EXPECT_THROW(mpipe::choose_schedule(8, 4, TrainStepOptions(1).activation_bytes({1})),
+               std::invalid_argument);
+}

@@ -210,9 +210,9 @@ TEST_P(MultiTensor, TrainStepsEqualThePlainModelUnderEveryScheduleAndCheckpointi
   const torch::Tensor x = inputs.first, mask = inputs.second;
   auto target = torch::randn({7, 3}, torch::kDouble);
   for (Checkpoint ckpt : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
-    for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+    for (Schedule schedule : all_schedules()) {
       SCOPED_TRACE("checkpoint " + std::to_string(static_cast<int>(ckpt)) + ", schedule " +
-                   std::to_string(static_cast<int>(schedule)));
+                   schedule_name(schedule));
       torch::manual_seed(4);
       MaskedModel m(GetParam(), ckpt);
       m.s2->two_outputs = false;
@@ -227,7 +227,7 @@ TEST_P(MultiTensor, TrainStepsEqualThePlainModelUnderEveryScheduleAndCheckpointi
 
       auto x1 = leaf_copy(x), mask1 = leaf_copy(mask);
       auto loss1 = m.pipe->train_step({x1, mpipe::unbatched(mask1)}, target, mse,
-                                      TrainStepOptions(3).schedule(schedule));
+                                      schedule_options(schedule, 3, 3));
       mpipe::reset_states(*m.pipe);
       expect_close(loss1, loss2, 1e-12, "loss");
       expect_close(x1.grad(), x2.grad(), 1e-12, "grad of x");
@@ -414,8 +414,8 @@ void expect_unet_equals_plain(UNet& net, double tol) {
         tol);
   }
   // train_step: both schedules (the pipeline's checkpoint mode applies).
-  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
-    SCOPED_TRACE("train_step, schedule " + std::to_string(static_cast<int>(schedule)));
+  for (Schedule schedule : all_schedules()) {
+    SCOPED_TRACE("train_step, schedule " + schedule_name(schedule));
     auto x2 = leaf_copy(x);
     forget();
     auto loss2 = mse(net.plain(x2), target);
@@ -424,7 +424,7 @@ void expect_unet_equals_plain(UNet& net, double tol) {
     auto plain_grads = grads_of(*net.pipe);
     zero_grads(*net.pipe);
     auto x1 = leaf_copy(x);
-    auto loss1 = net.pipe->train_step(x1, target, mse, TrainStepOptions(2).schedule(schedule));
+    auto loss1 = net.pipe->train_step(x1, target, mse, schedule_options(schedule, 2, 4));
     forget();
     expect_close(loss1, loss2, tol, "loss");
     expect_close(x1.grad(), x2.grad(), tol, "grad of x");

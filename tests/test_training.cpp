@@ -22,28 +22,6 @@ namespace sch = mpipe::schedules;
 using sch::B;
 using sch::F;
 
-TEST(TrainingSchedule, ProgramsAreExactForSmallSizes) {
-  EXPECT_EQ(sch::gpipe(3, 2), (std::vector<sch::Program>{{F(0), F(1), F(2), B(0), B(1), B(2)},
-                                                          {F(0), F(1), F(2), B(0), B(1), B(2)}}));
-  EXPECT_EQ(sch::one_f_one_b(4, 2),
-            (std::vector<sch::Program>{{F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)},
-                                       {F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)}}));
-  EXPECT_EQ(sch::one_f_one_b(2, 4)[0], (sch::Program{F(0), F(1), B(0), B(1)}));  // m < n
-  // 1F1B, 3 micro-batches, 2 stages, on the unit clock.
-  using T = sch::TimedOp;
-  const std::vector<std::vector<T>> expected = {
-      {T{0, F(0)}},
-      {T{0, F(1)}, T{1, F(0)}},
-      {T{1, B(0)}},
-      {T{0, B(0)}, T{1, F(1)}},
-      {T{0, F(2)}, T{1, B(1)}},
-      {T{0, B(1)}, T{1, F(2)}},
-      {T{1, B(2)}},
-      {T{0, B(2)}},
-  };
-  EXPECT_EQ(sch::simulate(sch::one_f_one_b(3, 2)), expected);
-}
-
 namespace {
 
 /// Logs, per stage, the order in which the runtime runs the stage's forwards
@@ -58,14 +36,14 @@ struct OrderRecorderImpl : torch::nn::Module {
   OrderRecorderImpl(std::shared_ptr<OrderLog> log, int64_t stage) : log(log), stage(stage) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t mb = mpipe::current_micro_batch().index;
-    if (!mpipe::is_recomputing()) add(F(mb));
+    if (!mpipe::is_recomputing()) add(F(mb, stage));
     torch::Tensor y = x * 1;  // a node of our own for the hook
     if (y.requires_grad()) {
       auto l = log;
       const int64_t j = stage;
       y.register_hook([l, j, mb](const torch::Tensor& g) {
         std::lock_guard<std::mutex> lock(l->mutex);
-        l->per_stage[static_cast<size_t>(j)].push_back(B(mb));
+        l->per_stage[static_cast<size_t>(j)].push_back(B(mb, j));
         return g;
       });
     }
@@ -82,14 +60,17 @@ TORCH_MODULE(OrderRecorder);
 
 }  // namespace
 
+std::string name_of(Schedule s) { return mpipe::to_string(s); }
+
 TEST(TrainingSchedule, TheRuntimeFollowsEachStagesProgram) {
   const int64_t n = 4;
-  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
+                            Schedule::ZeroBubbleH1}) {
+    const int64_t v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
     for (Checkpoint ckpt : {Checkpoint::Never, Checkpoint::Always}) {
       for (bool threads : {true, false}) {
         for (int64_t m : {3, 7}) {
-          SCOPED_TRACE(std::string(schedule == Schedule::GPipe ? "GPipe" : "1F1B") +
-                       (ckpt == Checkpoint::Never ? "" : ", checkpointing") +
+          SCOPED_TRACE(name_of(schedule) + (ckpt == Checkpoint::Never ? "" : ", checkpointing") +
                        (threads ? ", threads" : ", inline") + ", " + std::to_string(m) +
                        " micro-batches");
           auto log = std::make_shared<OrderLog>();
@@ -99,68 +80,42 @@ TEST(TrainingSchedule, TheRuntimeFollowsEachStagesProgram) {
             pipe->append(torch::nn::Sequential(torch::nn::Linear(3, 3), OrderRecorder(log, j)),
                          "cpu");
           }
-          auto x = torch::randn({2 * m, 3});
+          auto x = torch::randn({2 * m, 3}).requires_grad_();  // stage 0's I has work
           pipe->train_step(x, torch::randn({2 * m, 3}),
                            [](const torch::Tensor& y, const torch::Tensor& t) {
                              return torch::mse_loss(y, t);
                            },
-                           TrainStepOptions(2).schedule(schedule));
-          const auto programs = mpipe::programs_for(schedule, m, n);
+                           TrainStepOptions(2).schedule(schedule).virtual_stages(v));
+          // Each stage's operations in its worker's order. The hook on the
+          // stage's output fires in B, and in both I and W (the weight
+          // gradients flow through it too): each shows as a B.
+          const auto programs = mpipe::programs_for(schedule, m, n, v);
+          std::vector<sch::Program> expected(n);
+          for (const auto& p : programs) {
+            for (auto op : p) {
+              if (op.kind != sch::OpKind::Forward) op.kind = sch::OpKind::Backward;
+              expected[static_cast<size_t>(op.stage)].push_back(op);
+            }
+          }
           for (int64_t j = 0; j < n; ++j) {
             SCOPED_TRACE("stage " + std::to_string(j));
-            const auto& seen = log->per_stage[static_cast<size_t>(j)];
-            EXPECT_EQ(seen, programs[static_cast<size_t>(j)]) << "the order of F and B";
-            // Activations alive on the stage: GPipe holds all m, 1F1B at most n - j.
-            int64_t live = 0, peak = 0;
-            for (const auto& op : seen) {
-              live += op.kind == sch::OpKind::Forward ? 1 : -1;
-              peak = std::max(peak, live);
-            }
-            EXPECT_EQ(live, 0);
-            EXPECT_EQ(peak, schedule == Schedule::GPipe ? m : std::min(n - j, m));
+            EXPECT_EQ(log->per_stage[static_cast<size_t>(j)], expected[static_cast<size_t>(j)])
+                << "the order of F and B";
           }
           // A forward call: every stage runs F(0..m-1) in order, no backward.
           for (auto& p : log->per_stage) p.clear();
           {
             torch::NoGradGuard no_grad;
-            pipe->forward(x, 2);
+            pipe->forward(x.detach(), 2);
           }
+          const auto forwards = sch::forward_only(m, n);
           for (int64_t j = 0; j < n; ++j) {
-            EXPECT_EQ(log->per_stage[static_cast<size_t>(j)], sch::forward_only(m, n)[0]);
+            EXPECT_EQ(log->per_stage[static_cast<size_t>(j)], forwards[static_cast<size_t>(j)]);
           }
         }
       }
     }
   }
-}
-
-TEST(TrainingSchedule, InvariantsAndMemoryBound) {
-  for (int64_t m = 1; m <= 9; ++m) {
-    for (int64_t n = 1; n <= 5; ++n) {
-      SCOPED_TRACE(std::to_string(m) + " micro-batches, " + std::to_string(n) + " stages");
-      const auto gp = sch::gpipe(m, n), ofob = sch::one_f_one_b(m, n);
-      EXPECT_NO_THROW(sch::validate(gp, m));
-      EXPECT_NO_THROW(sch::validate(ofob, m));
-      // Same length: 2 (m + n - 1) ticks on the unit clock.
-      EXPECT_EQ(static_cast<int64_t>(sch::simulate(gp).size()), 2 * (m + n - 1));
-      EXPECT_EQ(static_cast<int64_t>(sch::simulate(ofob).size()), 2 * (m + n - 1));
-      for (int64_t j = 0; j < n; ++j) {
-        EXPECT_EQ(sch::peak_in_flight(gp[j]), m);
-        EXPECT_EQ(sch::peak_in_flight(ofob[j]), std::min(n - j, m));
-      }
-    }
-  }
-}
-
-TEST(TrainingSchedule, BadProgramsAreRejected) {
-  EXPECT_THROW(sch::gpipe(0, 2), std::invalid_argument);
-  EXPECT_THROW(sch::one_f_one_b(2, 0), std::invalid_argument);
-  EXPECT_THROW(sch::validate({{F(0), B(0), B(0)}}, 1), std::invalid_argument);  // repeated
-  EXPECT_THROW(sch::validate({{B(0), F(0)}}, 1), std::invalid_argument);        // misordered
-  EXPECT_THROW(sch::validate({{F(0)}}, 1), std::invalid_argument);              // missing
-  // A cycle: stage 1 wants F(1) before F(0); stage 0 runs B(0) before F(1).
-  EXPECT_THROW(sch::simulate({{F(0), B(0), F(1), B(1)}, {F(1), B(1), F(0), B(0)}}),
-               std::invalid_argument);
 }
 
 namespace {
@@ -173,7 +128,7 @@ struct TrainCase {
 
 std::string case_name(const ::testing::TestParamInfo<TrainCase>& info) {
   const auto& c = info.param;
-  std::string s = c.schedule == Schedule::GPipe ? "GPipe" : "OneFOneB";
+  std::string s = schedule_name(c.schedule);
   s += c.checkpoint == Checkpoint::Never       ? "_NoCheckpoint"
        : c.checkpoint == Checkpoint::ExceptLast ? "_CheckpointExceptLast"
                                                 : "_CheckpointAlways";
@@ -194,7 +149,7 @@ class TrainStep : public ::testing::TestWithParam<TrainCase> {
 TEST_P(TrainStep, GradientsEqualThePlainModel) {
   torch::manual_seed(11);
   const int64_t width = 5, batch = 10;
-  for (int64_t n_stages : {1, 3, 4}) {
+  for (int64_t n_stages : {1, 2, 3, 4}) {
     std::vector<torch::nn::Sequential> stages;
     auto pipe = make();
     for (int64_t j = 0; j < n_stages; ++j) {
@@ -216,7 +171,7 @@ TEST_P(TrainStep, GradientsEqualThePlainModel) {
             [red](const torch::Tensor& out, const torch::Tensor& t) {
               return torch::mse_loss(out, t, red);
             },
-            TrainStepOptions(split).schedule(GetParam().schedule).reduction(reduction));
+            schedule_options(GetParam().schedule, split, n_stages).reduction(reduction));
       }
     }
   }
@@ -230,9 +185,9 @@ TEST_P(TrainStep, GradientsAccumulateLikeBackward) {
   auto x = torch::randn({6, 3});
   auto t = torch::randn({6, 2});
   auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
-  pipe->train_step(x, t, loss_fn, TrainStepOptions(2).schedule(GetParam().schedule));
+  pipe->train_step(x, t, loss_fn, schedule_options(GetParam().schedule, 2, 2));
   auto once = grads_of(*pipe);
-  pipe->train_step(x, t, loss_fn, TrainStepOptions(4).schedule(GetParam().schedule));
+  pipe->train_step(x, t, loss_fn, schedule_options(GetParam().schedule, 4, 2));
   for (const auto& kv : grads_of(*pipe)) expect_close(kv.second, once[kv.first] * 2, 1e-5, kv.first);
 }
 
@@ -245,7 +200,17 @@ INSTANTIATE_TEST_SUITE_P(
                       TrainCase{Schedule::OneFOneB, Checkpoint::Never, true},
                       TrainCase{Schedule::OneFOneB, Checkpoint::Never, false},
                       TrainCase{Schedule::OneFOneB, Checkpoint::ExceptLast, false},
-                      TrainCase{Schedule::OneFOneB, Checkpoint::Always, true}),
+                      TrainCase{Schedule::OneFOneB, Checkpoint::Always, true},
+                      TrainCase{Schedule::Interleaved1F1B, Checkpoint::Never, true},
+                      TrainCase{Schedule::Interleaved1F1B, Checkpoint::Never, false},
+                      TrainCase{Schedule::Interleaved1F1B, Checkpoint::ExceptLast, true},
+                      TrainCase{Schedule::Interleaved1F1B, Checkpoint::Always, false},
+                      TrainCase{Schedule::ZeroBubbleH1, Checkpoint::Never, true},
+                      TrainCase{Schedule::ZeroBubbleH1, Checkpoint::Never, false},
+                      TrainCase{Schedule::ZeroBubbleH1, Checkpoint::ExceptLast, false},
+                      TrainCase{Schedule::ZeroBubbleH1, Checkpoint::Always, true},
+                      TrainCase{Schedule::Auto, Checkpoint::Never, true},
+                      TrainCase{Schedule::Auto, Checkpoint::Always, false}),
     case_name);
 
 namespace {
@@ -269,8 +234,8 @@ TORCH_MODULE(Mask);
 
 TEST(Checkpointing, RecomputeDrawsTheSameRandomNumbers) {
   for (bool threads : {true, false}) {
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
-      SCOPED_TRACE(threads ? "threads" : "inline");
+    for (auto schedule : all_schedules()) {
+      SCOPED_TRACE(std::string(threads ? "threads, " : "inline, ") + schedule_name(schedule));
       // Three stages on one device share its generator.
       std::vector<Mask> masks(3);
       auto pipe = ModelPipeline(
@@ -282,7 +247,7 @@ TEST(Checkpointing, RecomputeDrawsTheSameRandomNumbers) {
                        [](const torch::Tensor& o, const torch::Tensor& y) {
                          return torch::mse_loss(o, y);
                        },
-                       TrainStepOptions(2).schedule(schedule));
+                       schedule_options(schedule, 2, 4));
       for (auto& m : masks) {
         ASSERT_EQ(m->original.size(), 4u);
         ASSERT_EQ(m->recomputed.size(), 4u);
@@ -428,14 +393,42 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
     torch::NoGradGuard no_grad;
     MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn, 2), "gradients are off");
   }
-  for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB}) {
+  // Schedule options that do not fit the pipeline.
+  MPIPE_EXPECT_ERROR(
+      pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                       TrainStepOptions(2).schedule(Schedule::Interleaved1F1B).virtual_stages(3)),
+      "virtual_stages=3 must divide the stage count, 2");
+  MPIPE_EXPECT_ERROR(
+      pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                       TrainStepOptions(2).schedule(Schedule::Interleaved1F1B).virtual_stages(0)),
+      "virtual_stages must be >= 1, got 0");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                      TrainStepOptions(2).schedule(Schedule::OneFOneB).virtual_stages(2)),
+                     "virtual_stages=2 applies to Schedule::Interleaved1F1B and Schedule::Auto",
+                     "not 1F1B");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                      TrainStepOptions(2).schedule(Schedule::Auto).stage_costs(
+                                          {{1, 1, 1, 0}, {1, 1, 1, 0}, {1, 1, 1, 0}})),
+                     "stage_costs has 3 entries for 2 stages");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                      TrainStepOptions(2).schedule(Schedule::Auto).stage_costs(
+                                          {{1, -2, 1, 0}})),
+                     "stage_costs[0] has a negative or NaN cost", "backward_input -2");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                      TrainStepOptions(2).schedule(Schedule::Auto).activation_bytes({1})),
+                     "activation_bytes has 1 entries for 2 stages");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                      TrainStepOptions(2).schedule(Schedule::Auto).memory_limit(-1)),
+                     "memory_limit must be >= 0");
+  for (auto schedule : all_schedules()) {
     for (bool threads : {true, false}) {
+      SCOPED_TRACE(schedule_name(schedule) + (threads ? ", threads" : ", inline"));
       pipe->options.worker_threads(threads);
       MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}),
                                           [](const torch::Tensor& o, const torch::Tensor&) {
                                             return o;  // not a scalar
                                           },
-                                          TrainStepOptions(2).schedule(schedule)),
+                                          schedule_options(schedule, 2, 2)),
                          "train_step", "stage 1", "loss of micro-batch 0 of 2",
                          "must return one value", "[2, 2]");
       // A stage that fails in backward.
@@ -449,13 +442,17 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
                              });
                              return out.sum();
                            },
-                           TrainStepOptions(1).schedule(schedule)),
-          "stage 1", "backward of micro-batch 0 of 4", "planted backward failure");
+                           schedule_options(schedule, 1, 2)),
+          "stage 1",
+          schedule == Schedule::ZeroBubbleH1 ? "input gradient of micro-batch 0 of 4"
+          : schedule == Schedule::Auto       ? "micro-batch 0 of 4"
+                                             : "backward of micro-batch 0 of 4",
+          "planted backward failure");
       // The next step equals the plain model, in loss and gradients.
       zero_grads(*pipe);  // the failed steps left partial gradients
       expect_train_step_transparent(pipe, std::vector<torch::nn::Linear>{l0, l1},
                                     {torch::kCPU, torch::kCPU}, x, torch::randn({4, 2}),
-                                    loss_fn, TrainStepOptions(2).schedule(schedule), 1e-6);
+                                    loss_fn, schedule_options(schedule, 2, 2), 1e-6);
     }
   }
 }
@@ -565,7 +562,7 @@ namespace {
 void check_train_step(const std::vector<torch::Device>& devices) {
   torch::manual_seed(13);
   const int64_t width = 6, batch = 11;
-  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB}) {
+  for (auto schedule : all_schedules()) {
     for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
                             mpipe::Checkpoint::Always}) {
       for (bool threads : {true, false}) {
@@ -581,7 +578,7 @@ void check_train_step(const std::vector<torch::Device>& devices) {
             pipe, stages, devices, torch::randn({batch, width}, torch::kDouble).to(devices.front()),
             torch::randn({batch, width}, torch::kDouble).to(devices.back()),
             [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); },
-            mpipe::TrainStepOptions(3).schedule(schedule));
+            schedule_options(schedule, 3, static_cast<int64_t>(devices.size())));
       }
     }
   }

@@ -57,25 +57,59 @@ inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
 }
 
 // ---------------------------------------------------------------------------
-// Training schedules: each stage runs a program, a list of forward and
-// backward operations on micro-batches, in order. An operation waits only for
-// its data: F(j, i) for F(j - 1, i)'s activation, B(j, i) for B(j + 1, i)'s
-// gradient (the last stage's B(i) for its own F(i), which computes the loss).
+// Training schedules. A schedule is a program per worker ("rank"): the
+// operations that worker runs, in order. An operation names its stage, so a
+// rank may run several stages (interleaved 1F1B runs stages r, r + d, r + 2d,
+// ... on rank r). An operation waits only for its data:
+//   F(s, i)  forward of micro-batch i on stage s: after F(s - 1, i);
+//   B(s, i)  full backward: after F(s, i) and the gradient from stage s + 1
+//            (B or I of (s + 1, i)); the last stage's after its own F(s, i),
+//            which computed the loss;
+//   I(s, i)  the input half of a split backward (the gradient of the stage's
+//            inputs, on the critical path): waits like B;
+//   W(s, i)  the weight half: after I(s, i) on the same rank.
+// Each (stage, micro-batch) runs F once and then either B, or I and later W.
+// A micro-batch's activations on a stage stay alive from its F to its B or W.
 
-enum class OpKind { Forward, Backward };
+enum class OpKind { Forward, Backward, BackwardInput, BackwardWeight };
 
 struct Op {
   OpKind kind;
   int64_t micro_batch;
+  int64_t stage;
   friend bool operator==(const Op& a, const Op& b) {
-    return a.kind == b.kind && a.micro_batch == b.micro_batch;
+    return a.kind == b.kind && a.micro_batch == b.micro_batch && a.stage == b.stage;
   }
   friend bool operator!=(const Op& a, const Op& b) { return !(a == b); }
 };
 
-inline Op F(int64_t micro_batch) { return Op{OpKind::Forward, micro_batch}; }
-inline Op B(int64_t micro_batch) { return Op{OpKind::Backward, micro_batch}; }
+inline Op F(int64_t micro_batch, int64_t stage) { return Op{OpKind::Forward, micro_batch, stage}; }
+inline Op B(int64_t micro_batch, int64_t stage) { return Op{OpKind::Backward, micro_batch, stage}; }
+inline Op I(int64_t micro_batch, int64_t stage) {
+  return Op{OpKind::BackwardInput, micro_batch, stage};
+}
+inline Op W(int64_t micro_batch, int64_t stage) {
+  return Op{OpKind::BackwardWeight, micro_batch, stage};
+}
 
+/// "F", "B", "I" or "W".
+inline const char* to_string(OpKind kind) {
+  switch (kind) {
+    case OpKind::Forward: return "F";
+    case OpKind::Backward: return "B";
+    case OpKind::BackwardInput: return "I";
+    case OpKind::BackwardWeight: return "W";
+  }
+  return "?";
+}
+
+/// E.g. "F(3, 1)": forward of micro-batch 3 on stage 1.
+inline std::string to_string(const Op& op) {
+  return std::string(to_string(op.kind)) + "(" + std::to_string(op.micro_batch) + ", " +
+         std::to_string(op.stage) + ")";
+}
+
+/// One rank's operations, in the order it runs them.
 using Program = std::vector<Op>;
 
 namespace detail {
@@ -88,158 +122,396 @@ inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
 }
 }  // namespace detail
 
-/// GPipe (fill-drain): every stage runs all forwards, then all backwards.
+/// The program of a call with no backward (forward, constant_forward,
+/// sequence_forward): rank s runs F(0, s), ..., F(n_items - 1, s). simulate
+/// runs it as fill_drain's wavefront.
+inline std::vector<Program> forward_only(int64_t n_items, int64_t n_stages) {
+  detail::check_sizes("forward_only", n_items, n_stages);
+  std::vector<Program> programs(static_cast<size_t>(n_stages));
+  for (int64_t s = 0; s < n_stages; ++s) {
+    for (int64_t i = 0; i < n_items; ++i) programs[static_cast<size_t>(s)].push_back(F(i, s));
+  }
+  return programs;
+}
+
+/// GPipe (fill-drain): rank s runs stage s, all forwards, then all backwards.
 /// Each stage keeps the activations of all n_micro micro-batches alive.
 inline std::vector<Program> gpipe(int64_t n_micro, int64_t n_stages) {
   detail::check_sizes("gpipe", n_micro, n_stages);
   std::vector<Program> programs(static_cast<size_t>(n_stages));
-  for (auto& p : programs) {
-    for (int64_t i = 0; i < n_micro; ++i) p.push_back(F(i));
-    for (int64_t i = 0; i < n_micro; ++i) p.push_back(B(i));
+  for (int64_t s = 0; s < n_stages; ++s) {
+    Program& p = programs[static_cast<size_t>(s)];
+    for (int64_t i = 0; i < n_micro; ++i) p.push_back(F(i, s));
+    for (int64_t i = 0; i < n_micro; ++i) p.push_back(B(i, s));
   }
   return programs;
 }
 
-/// 1F1B (PipeDream-flush): stage j runs min(n_stages - j - 1, n_micro) warm-up
-/// forwards, then alternates one forward and one backward, then drains the
-/// remaining backwards. Stage j keeps at most n_stages - j micro-batches'
-/// activations alive; the run takes as many steps as GPipe.
+/// 1F1B (PipeDream-flush): rank s runs stage s, min(n_stages - s - 1,
+/// n_micro) warm-up forwards, then one forward and one backward in turn, then
+/// the remaining backwards. Stage s keeps at most n_stages - s micro-batches'
+/// activations alive; the run takes as long as GPipe's.
 inline std::vector<Program> one_f_one_b(int64_t n_micro, int64_t n_stages) {
   detail::check_sizes("one_f_one_b", n_micro, n_stages);
   std::vector<Program> programs(static_cast<size_t>(n_stages));
-  for (int64_t j = 0; j < n_stages; ++j) {
-    Program& p = programs[static_cast<size_t>(j)];
-    const int64_t warmup = std::min(n_stages - j - 1, n_micro);
+  for (int64_t s = 0; s < n_stages; ++s) {
+    Program& p = programs[static_cast<size_t>(s)];
+    const int64_t warmup = std::min(n_stages - s - 1, n_micro);
     int64_t next_f = 0, next_b = 0;
-    while (next_f < warmup) p.push_back(F(next_f++));
+    while (next_f < warmup) p.push_back(F(next_f++, s));
     while (next_f < n_micro) {
-      p.push_back(F(next_f++));
-      p.push_back(B(next_b++));
+      p.push_back(F(next_f++, s));
+      p.push_back(B(next_b++, s));
     }
-    while (next_b < n_micro) p.push_back(B(next_b++));
+    while (next_b < n_micro) p.push_back(B(next_b++, s));
   }
   return programs;
 }
 
-/// Most micro-batches whose forward has run but whose backward has not, at
-/// any point of `program`: the activations a stage holds at its peak.
-inline int64_t peak_in_flight(const Program& program) {
-  int64_t live = 0, peak = 0;
+/// Interleaved 1F1B (Megatron-LM): n_stages = d * virtual_stages stages on
+/// d ranks, stage s on rank s % d, so rank r holds the non-adjacent chunks r,
+/// r + d, ... Micro-batches move in groups of d: a rank runs a group's
+/// forwards chunk by chunk (backwards chunk by chunk in reverse), after
+/// 2 (d - r - 1) + (virtual_stages - 1) d warm-up forwards then one forward and
+/// one backward in turn. The bubble is about virtual_stages times smaller
+/// than 1F1B's over the same d ranks; every micro-batch crosses ranks
+/// virtual_stages times as often. virtual_stages = 1 is one_f_one_b.
+inline std::vector<Program> interleaved_one_f_one_b(int64_t n_micro, int64_t n_stages,
+                                                    int64_t virtual_stages) {
+  detail::check_sizes("interleaved_one_f_one_b", n_micro, n_stages);
+  if (virtual_stages <= 0 || n_stages % virtual_stages != 0) {
+    throw std::invalid_argument(
+        "mpipe::schedules::interleaved_one_f_one_b: virtual_stages must be positive and divide "
+        "the stage count " + std::to_string(n_stages) + ", got " + std::to_string(virtual_stages));
+  }
+  if (virtual_stages == 1) return one_f_one_b(n_micro, n_stages);
+  // Built for n_micro rounded up to whole groups; the padding's operations are
+  // then dropped. Dropping operations keeps a schedule deadlock-free (no real
+  // operation depends on a dropped one), whereas building the last, partial
+  // group directly can deadlock.
+  const int64_t v = virtual_stages, d = n_stages / v;
+  const int64_t padded = (n_micro + d - 1) / d * d, total = padded * v;
+  std::vector<Program> programs(static_cast<size_t>(d));
+  for (int64_t r = 0; r < d; ++r) {
+    Program fwd, bwd;
+    for (int64_t g0 = 0; g0 < padded; g0 += d) {
+      for (int64_t c = 0; c < v; ++c) {
+        for (int64_t k = 0; k < d; ++k) {
+          fwd.push_back(F(g0 + k, c * d + r));
+          bwd.push_back(B(g0 + k, (v - 1 - c) * d + r));
+        }
+      }
+    }
+    Program p;
+    const int64_t warmup = std::min(total, 2 * (d - r - 1) + (v - 1) * d);
+    size_t next_f = 0, next_b = 0;
+    while (static_cast<int64_t>(next_f) < warmup) p.push_back(fwd[next_f++]);
+    while (next_f < fwd.size()) {
+      p.push_back(fwd[next_f++]);
+      p.push_back(bwd[next_b++]);
+    }
+    while (next_b < bwd.size()) p.push_back(bwd[next_b++]);
+    for (const Op& op : p) {
+      if (op.micro_batch < n_micro) programs[static_cast<size_t>(r)].push_back(op);
+    }
+  }
+  return programs;
+}
+
+/// ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): rank s runs
+/// stage s with its backward split into I (the gradient of the stage's
+/// inputs, which the previous stage waits for) and W (the gradient of its
+/// weights, which nobody waits for). Stage s runs min(n_stages - s, n_micro)
+/// forwards, then for each micro-batch k: I(k), W(k - s) (stage s defers its
+/// weight gradients by s micro-batches, into what would be idle time), the
+/// next forward; then the deferred W's. Every stage holds at most
+/// min(n_stages, n_micro) micro-batches, 1F1B's peak (which 1F1B reaches on
+/// stage 0). With F = I = W the run takes 3 n_micro + n_stages - 1 time units
+/// for n_micro >= n_stages: the bubble is a third of 1F1B's.
+inline std::vector<Program> zero_bubble_h1(int64_t n_micro, int64_t n_stages) {
+  detail::check_sizes("zero_bubble_h1", n_micro, n_stages);
+  std::vector<Program> programs(static_cast<size_t>(n_stages));
+  for (int64_t s = 0; s < n_stages; ++s) {
+    Program& p = programs[static_cast<size_t>(s)];
+    int64_t next_f = 0, next_w = 0;
+    while (next_f < std::min(n_stages - s, n_micro)) p.push_back(F(next_f++, s));
+    for (int64_t k = 0; k < n_micro; ++k) {
+      p.push_back(I(k, s));
+      if (k >= s) p.push_back(W(next_w++, s));
+      if (next_f < n_micro) p.push_back(F(next_f++, s));
+    }
+    while (next_w < n_micro) p.push_back(W(next_w++, s));
+  }
+  return programs;
+}
+
+/// Throws std::invalid_argument unless the programs run, for every stage s <
+/// n_stages and micro-batch i < n_micro, F(i, s) exactly once and then either
+/// B(i, s) once or I(i, s) once and later W(i, s) once, all of a stage's
+/// operations on one rank (with `backward` = false: F only).
+inline void validate(const std::vector<Program>& programs, int64_t n_stages, int64_t n_micro,
+                     bool backward = true) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("mpipe::schedules::validate: " + what);
+  };
+  if (n_stages <= 0 || n_micro <= 0) {
+    fail("sizes must be positive, got n_stages=" + std::to_string(n_stages) +
+         ", n_micro=" + std::to_string(n_micro));
+  }
+  const auto n = static_cast<size_t>(n_stages), m = static_cast<size_t>(n_micro);
+  std::vector<int64_t> rank(n, -1);
+  // Per (stage, micro-batch): bit 1 F, 2 B, 4 I, 8 W seen.
+  std::vector<std::vector<int>> seen(n, std::vector<int>(m, 0));
+  for (size_t r = 0; r < programs.size(); ++r) {
+    for (const Op& op : programs[r]) {
+      const std::string where = to_string(op) + " on rank " + std::to_string(r);
+      if (op.stage < 0 || op.stage >= n_stages || op.micro_batch < 0 || op.micro_batch >= n_micro) {
+        fail(where + ": stage or micro-batch out of range (" + std::to_string(n_stages) +
+             " stages, " + std::to_string(n_micro) + " micro-batches)");
+      }
+      auto& at = rank[static_cast<size_t>(op.stage)];
+      if (at >= 0 && at != static_cast<int64_t>(r)) {
+        fail(where + ": stage " + std::to_string(op.stage) + " also runs on rank " +
+             std::to_string(at));
+      }
+      at = static_cast<int64_t>(r);
+      int& bits = seen[static_cast<size_t>(op.stage)][static_cast<size_t>(op.micro_batch)];
+      const int bit = op.kind == OpKind::Forward ? 1 : op.kind == OpKind::Backward ? 2
+                      : op.kind == OpKind::BackwardInput ? 4 : 8;
+      if (bits & bit) fail(where + ": repeated");
+      if (bit != 1 && !backward) fail(where + ": a backward in a forward-only call");
+      if (bit != 1 && !(bits & 1)) fail(where + ": before the forward");
+      if ((bit == 2 && (bits & 12)) || (bit == 4 && (bits & 2))) {
+        fail(where + ": both a full and a split backward");
+      }
+      if (bit == 8 && !(bits & 4)) fail(where + ": the weight gradient before the input gradient");
+      bits |= bit;
+    }
+  }
+  for (size_t s = 0; s < n; ++s) {
+    for (size_t i = 0; i < m; ++i) {
+      const int bits = seen[s][i];
+      if (!(bits & 1) || (backward && bits != 3 && bits != 13)) {
+        fail("stage " + std::to_string(s) + " misses " +
+             (!(bits & 1) ? "the forward" : (bits & 4) ? "the weight gradient" : "the backward") +
+             " of micro-batch " + std::to_string(i));
+      }
+    }
+  }
+}
+
+/// The rank that runs each stage (validated programs).
+inline std::vector<int64_t> stage_ranks(const std::vector<Program>& programs) {
+  std::vector<int64_t> rank;
+  for (size_t r = 0; r < programs.size(); ++r) {
+    for (const Op& op : programs[r]) {
+      if (static_cast<int64_t>(rank.size()) <= op.stage) rank.resize(static_cast<size_t>(op.stage) + 1, -1);
+      rank[static_cast<size_t>(op.stage)] = static_cast<int64_t>(r);
+    }
+  }
+  return rank;
+}
+
+/// What a stage's operations cost, in any unit of time. A full backward costs
+/// backward_input + backward_weight. `transfer` delays the next stage's
+/// forward (and this stage's backward input from the next stage) by the time
+/// to move an activation or gradient across the boundary after this stage.
+struct StageCost {
+  double forward = 1;
+  double backward_input = 1;
+  double backward_weight = 1;
+  double transfer = 0;
+};
+
+/// Costs of every stage: empty for the unit costs above, one entry for all
+/// stages alike, or one per stage.
+using Costs = std::vector<StageCost>;
+
+struct TimedOp {
+  int64_t rank;
+  Op op;
+  double start;
+  double end;
+  friend bool operator==(const TimedOp& a, const TimedOp& b) {
+    return a.rank == b.rank && a.op == b.op && a.start == b.start && a.end == b.end;
+  }
+};
+
+/// Runs `programs`: each rank runs its operations in order, one at a time,
+/// each as early as its rank is free and its inputs exist (the dependencies
+/// listed above), taking the stage's cost. `devices` (one per rank; empty:
+/// every rank its own) names the device each rank computes on; ranks on one
+/// device run one operation at a time between them, the earliest-ready first.
+/// Returns every operation with its start and end, by start time
+/// (dependencies first). Throws std::invalid_argument if the programs cannot
+/// finish (a dependency cycle, a missing operation) or a cost is negative.
+inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const Costs& costs = {},
+                                     const std::vector<int64_t>& devices = {}) {
+  int64_t n = 0, m = 0;
+  size_t remaining = 0;
+  for (const auto& p : programs) {
+    for (const Op& op : p) {
+      if (op.stage < 0 || op.micro_batch < 0) {
+        throw std::invalid_argument("mpipe::schedules::simulate: negative index in " + to_string(op));
+      }
+      n = std::max(n, op.stage + 1);
+      m = std::max(m, op.micro_batch + 1);
+    }
+    remaining += p.size();
+  }
+  if (costs.size() > 1 && static_cast<int64_t>(costs.size()) < n) {
+    throw std::invalid_argument("mpipe::schedules::simulate: " + std::to_string(costs.size()) +
+                                " costs for " + std::to_string(n) + " stages");
+  }
+  if (!devices.empty() && devices.size() != programs.size()) {
+    throw std::invalid_argument("mpipe::schedules::simulate: " + std::to_string(devices.size()) +
+                                " devices for " + std::to_string(programs.size()) + " ranks");
+  }
+  auto cost = [&](int64_t s) -> StageCost {
+    return costs.empty() ? StageCost{} : costs[costs.size() == 1 ? 0 : static_cast<size_t>(s)];
+  };
+  for (int64_t s = 0; s < n; ++s) {
+    const StageCost c = cost(s);
+    if (!(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 && c.transfer >= 0)) {
+      throw std::invalid_argument("mpipe::schedules::simulate: stage " + std::to_string(s) +
+                                  " has a negative or NaN cost");
+    }
+  }
+  const double unset = -1;
+  // End times per (stage, micro-batch): forward, and input gradient (B or I).
+  std::vector<std::vector<double>> f_end(static_cast<size_t>(n),
+                                         std::vector<double>(static_cast<size_t>(m), unset));
+  auto g_end = f_end;
+  std::vector<size_t> pc(programs.size(), 0);
+  std::vector<double> rank_free(programs.size(), 0);
+  std::vector<double> device_free(programs.size(), 0);  // by device index (compacted below)
+  std::vector<size_t> device(programs.size());
+  for (size_t r = 0; r < programs.size(); ++r) {
+    device[r] = r;
+    for (size_t q = 0; q < r && !devices.empty(); ++q) {
+      if (devices[q] == devices[r]) {
+        device[r] = device[q];
+        break;
+      }
+    }
+  }
+  /// When rank r's next operation can start, or < 0 while its inputs are missing.
+  auto ready_at = [&](size_t r) -> double {
+    const Op op = programs[r][pc[r]];
+    const auto s = static_cast<size_t>(op.stage), i = static_cast<size_t>(op.micro_batch);
+    double ready = std::max(rank_free[r], device_free[device[r]]);
+    if (op.kind == OpKind::Forward) {
+      if (s > 0) {
+        if (f_end[s - 1][i] == unset) return -1;
+        ready = std::max(ready, f_end[s - 1][i] + cost(op.stage - 1).transfer);
+      }
+    } else if (op.kind == OpKind::BackwardWeight) {
+      if (g_end[s][i] == unset) return -1;
+      ready = std::max(ready, g_end[s][i]);
+    } else {
+      if (f_end[s][i] == unset) return -1;
+      ready = std::max(ready, f_end[s][i]);
+      if (static_cast<int64_t>(s) + 1 < n) {
+        if (g_end[s + 1][i] == unset) return -1;
+        ready = std::max(ready, g_end[s + 1][i] + cost(op.stage).transfer);
+      }
+    }
+    return ready;
+  };
+  std::vector<TimedOp> out;
+  out.reserve(remaining);
+  while (remaining > 0) {
+    // The operation that can start first (ties: the lower rank).
+    size_t best = programs.size();
+    double best_at = 0;
+    for (size_t r = 0; r < programs.size(); ++r) {
+      if (pc[r] == programs[r].size()) continue;
+      const double at = ready_at(r);
+      if (at >= 0 && (best == programs.size() || at < best_at)) best = r, best_at = at;
+    }
+    if (best == programs.size()) {
+      std::string stuck;
+      for (size_t r = 0; r < programs.size(); ++r) {
+        if (pc[r] < programs[r].size()) {
+          stuck += (stuck.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " at " +
+                                                  to_string(programs[r][pc[r]]));
+        }
+      }
+      throw std::invalid_argument("mpipe::schedules::simulate: the programs cannot finish (" +
+                                  stuck + " wait for operations that never run)");
+    }
+    const Op op = programs[best][pc[best]];
+    const auto s = static_cast<size_t>(op.stage), i = static_cast<size_t>(op.micro_batch);
+    const StageCost c = cost(op.stage);
+    const double d = op.kind == OpKind::Forward         ? c.forward
+                     : op.kind == OpKind::Backward      ? c.backward_input + c.backward_weight
+                     : op.kind == OpKind::BackwardInput ? c.backward_input
+                                                        : c.backward_weight;
+    const double end = best_at + d;
+    if (op.kind == OpKind::Forward) f_end[s][i] = end;
+    if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput) g_end[s][i] = end;
+    out.push_back(TimedOp{static_cast<int64_t>(best), op, best_at, end});
+    rank_free[best] = end;
+    device_free[device[best]] = end;
+    ++pc[best];
+    --remaining;
+  }
+  // Chosen in order of start already; stable for equal starts (zero costs),
+  // where dependencies were chosen first.
+  std::stable_sort(out.begin(), out.end(),
+                   [](const TimedOp& a, const TimedOp& b) { return a.start < b.start; });
+  return out;
+}
+
+/// The time from the first start to the last end of simulate(programs, costs).
+inline double makespan(const std::vector<Program>& programs, const Costs& costs = {},
+                       const std::vector<int64_t>& devices = {}) {
+  double end = 0;
+  for (const TimedOp& t : simulate(programs, costs, devices)) end = std::max(end, t.end);
+  return end;
+}
+
+/// Fraction of rank time left idle when `programs` run as in simulate:
+/// 1 - (sum of operation times) / (ranks * makespan) (ranks sharing a device
+/// count once). For GPipe and 1F1B with equal stages it is
+/// (n - 1) / (m + n - 1), as for fill_drain.
+inline double bubble(const std::vector<Program>& programs, const Costs& costs = {},
+                     const std::vector<int64_t>& devices = {}) {
+  const auto ops = simulate(programs, costs, devices);
+  size_t units = programs.size();
+  if (!devices.empty()) {
+    std::vector<int64_t> distinct(devices);
+    std::sort(distinct.begin(), distinct.end());
+    units = static_cast<size_t>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+  }
+  double busy = 0, end = 0;
+  for (const TimedOp& t : ops) {
+    busy += t.end - t.start;
+    end = std::max(end, t.end);
+  }
+  if (programs.empty() || end <= 0) return 0.0;
+  return 1.0 - busy / (static_cast<double>(units) * end);
+}
+
+/// The most activation memory a rank holds at once while running `program`:
+/// a (stage, micro-batch) holds `per_stage[stage]` (1 when per_stage is empty)
+/// from its F to its B or W.
+inline double peak_activations(const Program& program, const std::vector<double>& per_stage = {}) {
+  double live = 0, peak = 0;
   for (const Op& op : program) {
-    live += op.kind == OpKind::Forward ? 1 : -1;
+    const double size =
+        per_stage.empty() ? 1.0
+                          : per_stage.at(static_cast<size_t>(op.stage));
+    if (op.kind == OpKind::Forward) live += size;
+    if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardWeight) live -= size;
     peak = std::max(peak, live);
   }
   return peak;
 }
 
-/// The program of a call with no backward operations (forward,
-/// constant_forward, sequence_forward): every stage runs F(0), ..., F(n - 1).
-/// Run on simulate's clock it is fill_drain's wavefront.
-inline std::vector<Program> forward_only(int64_t n_items, int64_t n_stages) {
-  detail::check_sizes("forward_only", n_items, n_stages);
-  std::vector<Program> programs(static_cast<size_t>(n_stages));
-  for (auto& p : programs) {
-    for (int64_t i = 0; i < n_items; ++i) p.push_back(F(i));
-  }
-  return programs;
-}
-
-/// Throws std::invalid_argument unless every stage's program runs F(i) and B(i)
-/// exactly once for each micro-batch i < n_micro, F(i) before B(i); with
-/// `backward` = false, F(i) exactly once and no B at all.
-inline void validate(const std::vector<Program>& programs, int64_t n_micro,
-                     bool backward = true) {
-  for (size_t j = 0; j < programs.size(); ++j) {
-    std::vector<int> f(static_cast<size_t>(n_micro), 0), b(f);
-    for (const Op& op : programs[j]) {
-      const bool fwd = op.kind == OpKind::Forward;
-      if (op.micro_batch < 0 || op.micro_batch >= n_micro ||
-          (!fwd && !backward) || ++(fwd ? f : b)[static_cast<size_t>(op.micro_batch)] > 1 ||
-          (!fwd && f[static_cast<size_t>(op.micro_batch)] == 0)) {
-        throw std::invalid_argument("mpipe::schedules::validate: stage " + std::to_string(j) +
-                                    " has a missing, repeated or misordered operation on "
-                                    "micro-batch " + std::to_string(op.micro_batch));
-      }
-    }
-    if (programs[j].size() != static_cast<size_t>((backward ? 2 : 1) * n_micro)) {
-      throw std::invalid_argument("mpipe::schedules::validate: stage " + std::to_string(j) +
-                                  " runs " + std::to_string(programs[j].size()) +
-                                  " operations, expected " +
-                                  std::to_string((backward ? 2 : 1) * n_micro));
-    }
-  }
-}
-
-struct TimedOp {
-  int64_t stage;
-  Op op;
-  friend bool operator==(const TimedOp& a, const TimedOp& b) {
-    return a.stage == b.stage && a.op == b.op;
-  }
-};
-
-/// Runs `programs` on a clock where every operation takes one tick and starts
-/// as soon as its stage is free and its input exists (produced at an earlier
-/// tick). Returns the operations of each tick, by ascending stage. Throws
-/// std::invalid_argument if the programs cannot finish (a dependency cycle, a
-/// missing or repeated operation).
-inline std::vector<std::vector<TimedOp>> simulate(const std::vector<Program>& programs) {
-  const int64_t n = static_cast<int64_t>(programs.size());
-  int64_t m = 0;
-  for (const auto& p : programs) {
-    for (const Op& op : p) m = std::max(m, op.micro_batch + 1);
-  }
-  // done_at[kind][stage][mb]: tick at which the op finished, -1 if not yet.
-  std::vector<std::vector<int64_t>> f_done(static_cast<size_t>(n),
-                                           std::vector<int64_t>(static_cast<size_t>(m), -1));
-  auto b_done = f_done;
-  std::vector<size_t> pc(static_cast<size_t>(n), 0);
-  std::vector<std::vector<TimedOp>> ticks;
-  size_t remaining = 0;
-  for (const auto& p : programs) remaining += p.size();
-  for (int64_t tick = 0; remaining > 0; ++tick) {
-    std::vector<TimedOp> now;
-    for (int64_t j = 0; j < n; ++j) {
-      const Program& p = programs[static_cast<size_t>(j)];
-      if (pc[static_cast<size_t>(j)] == p.size()) continue;
-      const Op op = p[pc[static_cast<size_t>(j)]];
-      const auto i = static_cast<size_t>(op.micro_batch);
-      const auto js = static_cast<size_t>(j);
-      bool ready;
-      if (op.kind == OpKind::Forward) {
-        ready = f_done[js][i] < 0 && (j == 0 || (f_done[js - 1][i] >= 0 && f_done[js - 1][i] < tick));
-      } else {
-        ready = b_done[js][i] < 0 && f_done[js][i] >= 0 &&
-                (j == n - 1 || (b_done[js + 1][i] >= 0 && b_done[js + 1][i] < tick));
-      }
-      if (ready) now.push_back(TimedOp{j, op});
-    }
-    if (now.empty()) {
-      throw std::invalid_argument("mpipe::schedules::simulate: the programs cannot finish (tick " +
-                                  std::to_string(tick) + ")");
-    }
-    for (const TimedOp& t : now) {
-      auto& done = t.op.kind == OpKind::Forward ? f_done : b_done;
-      done[static_cast<size_t>(t.stage)][static_cast<size_t>(t.op.micro_batch)] = tick;
-      ++pc[static_cast<size_t>(t.stage)];
-      --remaining;
-    }
-    ticks.push_back(std::move(now));
-  }
-  return ticks;
-}
-
-/// Fraction of stage-tick slots left idle when `programs` run on simulate's
-/// unit clock: 1 - operations / (stages * ticks). For GPipe and 1F1B it is
-/// (n - 1) / (m + n - 1), as for fill_drain.
-inline double bubble(const std::vector<Program>& programs) {
-  if (programs.empty()) return 0.0;
-  const auto ticks = simulate(programs);
-  size_t ops = 0;
-  for (const auto& t : ticks) ops += t.size();
-  if (ticks.empty()) return 0.0;
-  return 1.0 - static_cast<double>(ops) /
-                   (static_cast<double>(programs.size()) * static_cast<double>(ticks.size()));
+/// The most (stage, micro-batch) activations a rank holds at once.
+inline int64_t peak_in_flight(const Program& program) {
+  return static_cast<int64_t>(peak_activations(program));
 }
 
 }  // namespace schedules

@@ -16,6 +16,8 @@ namespace mpipe {
 enum class TaskKind {
   Forward,    ///< a stage's forward of one micro-batch or time step
   Backward,   ///< a stage's backward of one micro-batch (train_step)
+  BackwardInput,   ///< zero-bubble schedules: the gradient of a stage's inputs (I)
+  BackwardWeight,  ///< zero-bubble schedules: the gradient of a stage's weights (W)
   Recompute,  ///< a checkpointed forward run again before its backward
   Copy,       ///< an activation or gradient copied between devices
 };
@@ -40,20 +42,30 @@ struct Timeline {
   int64_t n_stages = 0;
   int64_t n_items = 0;
   std::vector<c10::Device> stage_devices;
+  /// The schedule that ran ("1F1B", ...; empty for forward-type calls).
+  std::string schedule;
+  /// The worker that ran each stage (interleaved schedules run several stages
+  /// on one worker); empty: stage s on worker s.
+  std::vector<int64_t> stage_ranks;
   std::vector<TimelineTask> tasks;
-  /// The schedule's idle fraction on a unit clock (schedules::bubble).
+  /// The schedule's idle fraction with unit costs (schedules::bubble).
   double schedule_bubble = 0;
 
   bool empty() const { return tasks.empty(); }
+  /// The worker of `stage` (stage_ranks[stage], or stage).
+  int64_t rank_of(int64_t stage) const;
+  /// How many workers ran the stages.
+  int64_t n_ranks() const;
   /// From the first task's start to the last task's end.
   double makespan_ms() const;
-  /// Measured idle fraction: 1 - (time stages spent in forward, backward or
-  /// recompute tasks) / (n_stages * makespan). Copies do not count as work.
+  /// Measured idle fraction: 1 - (time spent in forward, backward, input or
+  /// weight gradient and recompute tasks) / (n_ranks() * makespan). Copies do
+  /// not count as work.
   double bubble_fraction() const;
   /// Chrome trace event format (JSON): a track per stage, one complete event
   /// per task, the bubble fractions under "otherData".
   std::string to_chrome_trace() const;
-  /// A self-contained SVG Gantt chart: a row per stage, a colour per item,
+  /// A self-contained SVG Gantt chart: a row per worker, a colour per item,
   /// backward darker than forward, a time axis, and both bubble fractions.
   std::string to_svg() const;
   /// Write to_chrome_trace() / to_svg() to `path`; throw c10::Error if the

@@ -1,14 +1,19 @@
 #pragma once
 
 // Options of ModelPipelineImpl::train_step: the schedule, the loss and how it
-// is reduced over the batch.
+// is reduced over the batch; and the automatic choice of schedule.
 
 #include <mpipe/schedule.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <algorithm>
 #include <functional>
+#include <stdexcept>
+#include <utility>
+#include <string>
+#include <vector>
 
 namespace mpipe {
 
@@ -18,7 +23,32 @@ enum class Schedule {
   /// One forward, one backward (schedules::one_f_one_b): the same time, with
   /// at most n_stages micro-batches' activations alive instead of all.
   OneFOneB,
+  /// Megatron-LM's interleaved 1F1B over TrainStepOptions::virtual_stages
+  /// chunks per worker (schedules::interleaved_one_f_one_b): stage s runs on
+  /// worker s % (n_stages / virtual_stages). A smaller bubble for more
+  /// hand-offs. Place stage s on the device of stage s % d when you append it.
+  Interleaved1F1B,
+  /// ZB-H1 zero-bubble (schedules::zero_bubble_h1): each backward split into
+  /// the input gradient and the weight gradient, the latter deferred into the
+  /// bubbles; 1F1B's peak memory.
+  ZeroBubbleH1,
+  /// The schedule with the least predicted step time whose predicted
+  /// activation memory fits TrainStepOptions::memory_limit (choose_schedule,
+  /// Note [Choosing a schedule]); the timeline names the one that ran.
+  Auto,
 };
+
+/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1" or "Auto".
+inline const char* to_string(Schedule s) {
+  switch (s) {
+    case Schedule::GPipe: return "GPipe";
+    case Schedule::OneFOneB: return "1F1B";
+    case Schedule::Interleaved1F1B: return "Interleaved1F1B";
+    case Schedule::ZeroBubbleH1: return "ZB-H1";
+    case Schedule::Auto: return "Auto";
+  }
+  return "?";
+}
 
 enum class LossReduction {
   /// The loss function returns the mean over the rows it is given; the step's
@@ -39,12 +69,119 @@ struct TrainStepOptions {
   TORCH_ARG(int64_t, split_size);
   TORCH_ARG(Schedule, schedule) = Schedule::GPipe;
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
+  /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it
+  /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B.
+  TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// Auto: what one micro-batch's operations cost on each stage (one entry
+  /// for all stages, or one per stage; empty: equal stages), e.g. from
+  /// balance::stage_costs.
+  TORCH_ARG(schedules::Costs, stage_costs) = {};
+  /// Auto: the activation memory one micro-batch keeps alive on each stage,
+  /// in bytes (one per stage; empty: memory is not considered).
+  TORCH_ARG(std::vector<double>, activation_bytes) = {};
+  /// Auto: the most activation memory a device may hold, in bytes (0: no limit).
+  TORCH_ARG(double, memory_limit) = 0;
 };
 
-/// The programs `schedule` gives each stage.
-inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages) {
-  return s == Schedule::GPipe ? schedules::gpipe(n_micro, n_stages)
-                              : schedules::one_f_one_b(n_micro, n_stages);
+/// The programs `s` gives n_stages stages (not Auto), one per worker.
+inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
+                                                    int64_t virtual_stages = 1) {
+  switch (s) {
+    case Schedule::GPipe: return schedules::gpipe(n_micro, n_stages);
+    case Schedule::OneFOneB: return schedules::one_f_one_b(n_micro, n_stages);
+    case Schedule::Interleaved1F1B:
+      return schedules::interleaved_one_f_one_b(n_micro, n_stages, virtual_stages);
+    case Schedule::ZeroBubbleH1: return schedules::zero_bubble_h1(n_micro, n_stages);
+    case Schedule::Auto: break;
+  }
+  throw std::invalid_argument("mpipe::programs_for: Auto is not a schedule; use choose_schedule");
+}
+
+/// One candidate of choose_schedule, with what the model predicts for it.
+struct SchedulePrediction {
+  Schedule schedule;
+  double time = 0;          ///< schedules::makespan with the stage costs
+  double bubble = 0;        ///< schedules::bubble with the stage costs
+  double peak_memory = 0;   ///< the largest schedules::peak_activations of a worker
+  bool fits = true;         ///< peak_memory <= memory_limit (or no limit)
+};
+
+struct ScheduleChoice {
+  Schedule schedule;
+  std::vector<SchedulePrediction> candidates;
+};
+
+// Note [Choosing a schedule]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The model runs every candidate's programs through schedules::simulate with
+// the given stage costs: each worker runs its operations in order, one at a
+// time, each as soon as its inputs exist; workers whose stages sit on one
+// device take turns on it (the earliest-ready first); a hand-off costs the
+// stage's `transfer`. The predicted step time is the makespan. A worker's
+// activation memory is the sum of activation_bytes over the (stage,
+// micro-batch) pairs between their forward and their backward (for ZB-H1,
+// their weight gradient); a device's is the sum over its workers, and its
+// peak must not exceed memory_limit. Candidates: GPipe, 1F1B and ZB-H1, and
+// Interleaved1F1B when virtual_stages > 1. The fastest that fits wins (ties go
+// to the earlier in that list); if none fits, the one with the least peak.
+// Limits: parameters and optimizer state are not counted (they do not depend
+// on the schedule); the costs are what the caller measured (e.g.
+// balance::profile_time on one sample), and a GPU that overlaps two streams'
+// kernels does better than taking turns.
+
+/// The schedule TrainStepOptions' Auto picks for n_micro micro-batches over
+/// n_stages stages, stage s on device stage_devices[s] (any labels; empty:
+/// every stage on its own device). Note [Choosing a schedule].
+inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
+                                      const TrainStepOptions& options,
+                                      const std::vector<int64_t>& stage_devices = {}) {
+  ScheduleChoice choice{Schedule::GPipe, {}};
+  std::vector<Schedule> candidates = {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1};
+  if (options.virtual_stages() > 1) candidates.push_back(Schedule::Interleaved1F1B);
+  const auto& given = options.activation_bytes();
+  if (!given.empty() && static_cast<int64_t>(given.size()) != n_stages) {
+    throw std::invalid_argument("mpipe::choose_schedule: " + std::to_string(given.size()) +
+                                " activation sizes for " + std::to_string(n_stages) + " stages");
+  }
+  if (!stage_devices.empty() && static_cast<int64_t>(stage_devices.size()) != n_stages) {
+    throw std::invalid_argument("mpipe::choose_schedule: " + std::to_string(stage_devices.size()) +
+                                " devices for " + std::to_string(n_stages) + " stages");
+  }
+  const std::vector<double> bytes =
+      given.empty() ? std::vector<double>(static_cast<size_t>(n_stages), 0.0) : given;
+  int best = -1, least = -1;
+  for (Schedule s : candidates) {
+    const auto programs = programs_for(s, n_micro, n_stages, options.virtual_stages());
+    std::vector<int64_t> devices;  // of each worker
+    for (const auto& p : programs) {
+      const auto stage = static_cast<size_t>(p.front().stage);
+      devices.push_back(stage_devices.empty() ? static_cast<int64_t>(stage) : stage_devices[stage]);
+    }
+    SchedulePrediction p{s};
+    p.time = schedules::makespan(programs, options.stage_costs(), devices);
+    p.bubble = schedules::bubble(programs, options.stage_costs(), devices);
+    std::vector<std::pair<int64_t, double>> per_device;
+    for (size_t r = 0; r < programs.size(); ++r) {
+      const double peak = schedules::peak_activations(programs[r], bytes);
+      auto it = std::find_if(per_device.begin(), per_device.end(),
+                             [&](const std::pair<int64_t, double>& d) { return d.first == devices[r]; });
+      if (it == per_device.end()) {
+        per_device.emplace_back(devices[r], peak);
+      } else {
+        it->second += peak;  // an upper bound: the workers' peaks may not coincide
+      }
+    }
+    for (const auto& d : per_device) p.peak_memory = std::max(p.peak_memory, d.second);
+    p.fits = options.memory_limit() <= 0 || p.peak_memory <= options.memory_limit();
+    choice.candidates.push_back(p);
+    const int k = static_cast<int>(choice.candidates.size()) - 1;
+    if (p.fits && (best < 0 || p.time < choice.candidates[static_cast<size_t>(best)].time)) best = k;
+    if (least < 0 || p.peak_memory < choice.candidates[static_cast<size_t>(least)].peak_memory) {
+      least = k;
+    }
+  }
+  choice.schedule = choice.candidates[static_cast<size_t>(best >= 0 ? best : least)].schedule;
+  return choice;
 }
 
 }  // namespace mpipe
