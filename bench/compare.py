@@ -105,6 +105,23 @@ def main():
             print(f"| | {r['gpus']} | {r['micro_batches']} | {r['train_ms']:.1f} | "
                   f"{r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['ideal_speedup']:.2f} | "
                   f"{100 * r['efficiency']:.0f} % | {ref_ms} | {ratio} |")
+    sched = m["workloads"].get("schedules")
+    if sched:
+        print()
+        print("| training step, schedule | ran | ms | vs GPipe | reference class ms | ref / mpipe "
+              "| step's peak above start MiB | bubble measured | bubble predicted |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        gpipe = {r["workload"]: r.get("train_ms") for r in sched if r["schedule"] == "gpipe"}
+        for r in sched:
+            ms = r.get("train_ms")
+            ref = s.get(r["workload"], {}).get("seed_train_ms")
+            g = gpipe.get(r["workload"])
+            cell = lambda v, f: "" if v is None else f.format(v)
+            print(f"| {r['workload']} {r['schedule']} | {r.get('ran', '')} | {cell(ms, '{:.2f}')} | "
+                  f"{cell(ms / g if ms and g else None, '{:.3f}')} | {cell(ref, '{:.2f}')} | "
+                  f"{cell(ref / ms if ms and ref else None, '{:.2f}x')} | "
+                  f"{cell(r.get('step_peak_above_start_mib'), '{:.0f}')} | "
+                  f"{cell(r.get('bubble_measured'), '{:.3f}')} | {cell(r.get('bubble_schedule'), '{:.3f}')} |")
     mem = m["workloads"].get("memory")
     if mem:
         print()

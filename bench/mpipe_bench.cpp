@@ -1,7 +1,8 @@
 // mpipe's benchmark: the four workloads of shared/notes/benchmark-workloads.md
 // through mpipe and through plain LibTorch (the same stages called one after
 // another), forward only and as a training step; and the memory and time of a
-// training step under GPipe, 1F1B and checkpointing. Median of --reps runs
+// training step under GPipe, 1F1B and checkpointing; and a training step under
+// every schedule. Median of --reps runs
 // after warm-up, each run ending when the device is idle. Prints a table and
 // writes JSON (--json). See bench/README.md.
 
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -46,6 +48,7 @@ struct Config {
   bool cpu_sizes = false;  // shrink the workloads (for CPUs and CI)
   bool inline_host = false;
   bool memory = true;
+  std::string timelines;  // folder for the schedules' timelines (SVG, Chrome trace); empty: none
 };
 
 struct Timer {
@@ -77,6 +80,9 @@ struct Timer {
 void guarded(json& r, const std::string& key, const std::function<double()>& time) {
   try {
     r[key] = time();
+  } catch (const c10::Error& e) {
+    std::cerr << key << " failed: " << e.what_without_backtrace() << "\n";
+    r[key + "_error"] = e.what_without_backtrace();
   } catch (const std::exception& e) {
     std::cerr << key << " failed: " << e.what() << "\n";
     r[key + "_error"] = e.what();
@@ -319,6 +325,136 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
   return out;
 }
 
+/// One training step of an MLP (depth Linear+ReLU layers of `width`) under
+/// each schedule: GPipe, 1F1B and ZB-H1 over 4 stages, Interleaved1F1B over
+/// 8 stages (2 chunks per worker, stage s on the device of stage s % 4), and
+/// Auto with each stage's costs from balance::profile_time. Each row: the
+/// median step time, its peak allocated memory above the step's start (CUDA),
+/// and a recorded step's measured bubble beside the schedule's predicted one;
+/// with `timeline_dir`, that step's timeline as SVG and Chrome trace.
+json schedules_workload(const Timer& timer, const torch::Device& device, const std::string& name,
+                        int64_t width, int64_t depth, int64_t batch, int64_t split,
+                        bool inline_host, const std::string& timeline_dir) {
+  json out = json::array();
+  const auto devices4 = placement(device, 4);
+  torch::manual_seed(0);
+  std::vector<nn::Linear> layers;  // the same layers for every schedule, each followed by ReLU
+  for (int64_t l = 0; l < depth; ++l) layers.emplace_back(width, width);
+  for (auto& l : layers) l->to(devices4.front());
+  auto x = torch::randn({batch, width}, torch::TensorOptions(devices4.front()));
+  auto target = torch::empty({batch, 1}, torch::TensorOptions(devices4.back()));
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+  // Auto's costs: forward + backward of each stage for one micro-batch, split
+  // F : I : W = 1 : 1 : 1.
+  mpipe::schedules::Costs costs;
+  {
+    nn::Sequential all;
+    for (auto& l : layers) {
+      all->push_back(l);
+      all->push_back(nn::ReLU());
+    }
+    const auto per_layer = mpipe::balance::profile_time(all, x.narrow(0, 0, split), 3);
+    for (int64_t s = 0; s < 4; ++s) {
+      double t = 0;
+      for (int64_t l = 2 * s * depth / 4; l < 2 * (s + 1) * depth / 4; ++l) {
+        t += per_layer[static_cast<size_t>(l)];
+      }
+      costs.push_back({t / 3, t / 3, t / 3, 0});
+    }
+    for (auto& l : layers) l->zero_grad();
+  }
+  struct Mode {
+    std::string name;
+    mpipe::Schedule schedule;
+    int64_t stages;
+    std::string file;
+  };
+  const std::vector<Mode> modes = {
+      {"gpipe", mpipe::Schedule::GPipe, 4, "gpipe"},
+      {"1f1b", mpipe::Schedule::OneFOneB, 4, "1f1b"},
+      {"zb-h1", mpipe::Schedule::ZeroBubbleH1, 4, "zb-h1"},
+      {"interleaved-1f1b(v=2)", mpipe::Schedule::Interleaved1F1B, 8, "interleaved-1f1b-v2"},
+      {"auto", mpipe::Schedule::Auto, 4, "auto"}};
+  for (const Mode& mode : modes) {
+    json r;
+    r["workload"] = name;
+    r["schedule"] = mode.name;
+    auto build = [&](bool record) {
+      mpipe::ModelPipeline pipe(
+          mpipe::ModelPipelineOptions().worker_threads(!inline_host).record_timeline(record));
+      for (int64_t s = 0; s < mode.stages; ++s) {
+        nn::Sequential stage;
+        for (int64_t l = s * depth / mode.stages; l < (s + 1) * depth / mode.stages; ++l) {
+          stage->push_back(layers[static_cast<size_t>(l)]);
+          stage->push_back(nn::ReLU());
+        }
+        pipe->append(stage, devices4[static_cast<size_t>(s % 4)]);
+      }
+      return pipe;
+    };
+    const auto options = mpipe::TrainStepOptions(split)
+                             .schedule(mode.schedule)
+                             .virtual_stages(mode.stages / 4)
+                             .stage_costs(mode.schedule == mpipe::Schedule::Auto ? costs
+                                                                                  : mpipe::schedules::Costs{});
+    guarded(r, "train_ms", [&] {
+      auto pipe = build(false);
+      auto step = [&] {
+        pipe->zero_grad();
+        pipe->train_step(x, target, loss_fn, options);
+      };
+#ifdef MPIPE_BENCH_CUDA
+      if (timer.cuda) {
+        step();
+        timer.sync();
+        c10::cuda::CUDACachingAllocator::resetPeakStats(devices4.front().index());
+        const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+        const auto base = c10::cuda::CUDACachingAllocator::getDeviceStats(devices4.front().index())
+                              .allocated_bytes[agg].current;
+        step();
+        timer.sync();
+        const auto peak = c10::cuda::CUDACachingAllocator::getDeviceStats(devices4.front().index())
+                              .allocated_bytes[agg].peak;
+        r["step_peak_above_start_mib"] = static_cast<double>(peak - base) / 1048576.0;
+      }
+#endif
+      return timer.median_ms(step);
+    });
+    guarded(r, "bubble_measured", [&] {
+      auto pipe = build(true);
+      pipe->zero_grad();
+      pipe->train_step(x, target, loss_fn, options);  // warm-up
+      pipe->zero_grad();
+      pipe->train_step(x, target, loss_fn, options);
+      const mpipe::Timeline t = pipe->timeline();
+      r["bubble_schedule"] = t.schedule_bubble;
+      r["ran"] = t.schedule;
+      r["recorded_makespan_ms"] = t.makespan_ms();
+      if (!timeline_dir.empty()) {
+        std::filesystem::create_directories(timeline_dir);
+        const std::string stem = timeline_dir + "/timeline-" + name + "-" + mode.file;
+        t.save_svg(stem + ".svg");
+        t.save_chrome_trace(stem + ".json");
+      }
+      return t.bubble_fraction();
+    });
+    if (mode.schedule == mpipe::Schedule::Auto) {
+      std::vector<int64_t> labels;  // stages on one device share it
+      for (const auto& d : devices4) labels.push_back(d.is_cuda() ? d.index() : -1);
+      const auto choice = mpipe::choose_schedule((batch - 1) / split + 1, 4, options, labels);
+      json preds = json::array();
+      for (const auto& c : choice.candidates) {
+        preds.push_back({{"schedule", mpipe::to_string(c.schedule)}, {"predicted_ms", c.time},
+                         {"bubble", c.bubble}});
+      }
+      r["predictions"] = preds;
+    }
+    for (auto& l : layers) l->zero_grad();
+    out.push_back(r);
+  }
+  return out;
+}
+
 /// Training throughput of wide-mlp's stages on 1, 2 and 4 GPUs (stage s on
 /// cuda:(s * g / 4)) with 8 and 32 micro-batches, GPipe; each row with its
 /// speed-up over one GPU and the ideal m * g / (m + g - 1) of a fill-drain
@@ -377,9 +513,11 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--only", cfg.only,
                  "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
-                 "scaling (the last only when named or with 2+ GPUs)");
+                 "schedules, scaling (the last only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
+  app.add_option("--timelines", cfg.timelines,
+                 "write each schedule's timeline of the schedules workload here (SVG, JSON)");
   app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
   CLI11_PARSE(app, argc, argv);
 
@@ -432,6 +570,23 @@ int main(int argc, char** argv) {
   if (named_scaling || (cfg.only.empty() && cuda && mpipe::cuda_device_count() >= 2)) {
     report("scaling", small ? scaling_workload(timer, device, 256, 2, 256, cfg.inline_host)
                             : scaling_workload(timer, device, 8192, 2, 8192, cfg.inline_host));
+  }
+  if (wanted("schedules")) {
+    // wide-mlp and narrow-mlp training steps under every schedule.
+    json rows = json::array();
+    for (const json& r : small ? schedules_workload(timer, device, "wide-mlp", 256, 8, 256, 32,
+                                                    cfg.inline_host, cfg.timelines)
+                               : schedules_workload(timer, device, "wide-mlp", 8192, 8, 8192, 1024,
+                                                    cfg.inline_host, cfg.timelines)) {
+      rows.push_back(r);
+    }
+    for (const json& r : small ? schedules_workload(timer, device, "narrow-mlp", 128, 32, 64, 8,
+                                                    cfg.inline_host, cfg.timelines)
+                               : schedules_workload(timer, device, "narrow-mlp", 1024, 32, 512, 64,
+                                                    cfg.inline_host, cfg.timelines)) {
+      rows.push_back(r);
+    }
+    report("schedules", rows);
   }
   if (wanted("memory") && cuda) {
     // 4 stages x 2 x Linear(4096, 4096), batch 8192 in 16 micro-batches of 512.

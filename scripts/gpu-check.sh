@@ -57,8 +57,10 @@ if [[ " $steps " == *" mlpfm "* ]]; then
 fi
 if [[ " $steps " == *" bench "* ]]; then
   # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
+  # The schedules' timelines travel back as one archive (a call brings back few files).
   step mpipe_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --json '$out/mpipe_bench.json' \
-    ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
+    --timelines /tmp/mpipe-timelines ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
+  [ -d /tmp/mpipe-timelines ] && tar -czf "$out/timelines.tar.gz" -C /tmp mpipe-timelines
   if [ -z "${MPIPE_BENCH_ARGS:-}" ]; then
     step bench_seed bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py \
       --json '$out/seed_bench.json' 2>&1 | tee -a '$log'"

@@ -261,16 +261,24 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   // 4 stages on 2 devices (stage s on device s % 2), 2 chunks per worker.
   // Workers that share a device take turns on it, so GPipe's 4 workers fill
   // each other's bubbles as well as interleaving does (51 = 3 (2 * 8 + 2 - 1)
-  // units, a tie won by the earlier candidate), but hold 16 micro-batches
-  // per device. A limit of 6 leaves 1F1B (4 + 2) and Interleaved1F1B (5),
-  // and interleaving is the faster.
+  // units), but hold 16 micro-batches per device to interleaving's 5: the tie
+  // goes to the fewer activations. A limit of 6 bytes (one per activation)
+  // leaves 1F1B (4 + 2) and Interleaved1F1B (5), and interleaving is faster.
   const std::vector<int64_t> devices = {0, 1, 0, 1};
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).virtual_stages(2), devices);
   ASSERT_EQ(c.candidates.size(), 4u);
   EXPECT_EQ(c.candidates[3].schedule, Schedule::Interleaved1F1B);
   EXPECT_DOUBLE_EQ(c.candidates[3].time, 3.0 * (2 * 8 + 2 - 1));
   EXPECT_DOUBLE_EQ(c.candidates[0].time, 3.0 * (2 * 8 + 2 - 1));
-  EXPECT_EQ(c.schedule, Schedule::GPipe);
+  EXPECT_DOUBLE_EQ(c.candidates[0].peak_in_flight, 16);
+  EXPECT_DOUBLE_EQ(c.candidates[3].peak_in_flight, 5);
+  EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
+  // On one device every schedule takes the sum of its operations; the fewest
+  // activations in flight win (1F1B: 4 + 3 + 2 + 1).
+  c = mpipe::choose_schedule(8, 4, TrainStepOptions(1), {0, 0, 0, 0});
+  for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.time, 8 * 4 * 3);
+  EXPECT_DOUBLE_EQ(c.candidates[1].peak_in_flight, 10);
+  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
   c = mpipe::choose_schedule(
       8, 4, TrainStepOptions(1).virtual_stages(2).activation_bytes({1, 1, 1, 1}).memory_limit(6),
       devices);
@@ -280,14 +288,15 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   EXPECT_DOUBLE_EQ(c.candidates[3].peak_memory, 5);
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 52);
   EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
-  // Costly hand-offs: interleaving crosses devices twice as often and gains
-  // nothing (a tie, won by the earlier candidate).
+  // Costly hand-offs (3 units each): interleaving crosses devices twice as
+  // often and loses to 1F1B (87 to 86 units).
   c = mpipe::choose_schedule(
       8, 4,
-      TrainStepOptions(1).virtual_stages(2).stage_costs({{1, 1, 1, 2}}).activation_bytes(
+      TrainStepOptions(1).virtual_stages(2).stage_costs({{1, 1, 1, 3}}).activation_bytes(
           {1, 1, 1, 1}).memory_limit(6),
       devices);
-  EXPECT_GE(c.candidates[3].time, c.candidates[1].time);
+  EXPECT_DOUBLE_EQ(c.candidates[1].time, 86);
+  EXPECT_DOUBLE_EQ(c.candidates[3].time, 87);
   EXPECT_EQ(c.schedule, Schedule::OneFOneB);
   EXPECT_THROW(mpipe::choose_schedule(8, 4, TrainStepOptions(1).activation_bytes({1})),
                std::invalid_argument);

@@ -9,6 +9,7 @@
 #include <torch/arg.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <stdexcept>
 #include <utility>
@@ -102,7 +103,8 @@ struct SchedulePrediction {
   Schedule schedule;
   double time = 0;          ///< schedules::makespan with the stage costs
   double bubble = 0;        ///< schedules::bubble with the stage costs
-  double peak_memory = 0;   ///< the largest schedules::peak_activations of a worker
+  double peak_memory = 0;   ///< a device's most activation bytes (Note [Choosing a schedule])
+  double peak_in_flight = 0;  ///< a device's most (stage, micro-batch) activations
   bool fits = true;         ///< peak_memory <= memory_limit (or no limit)
 };
 
@@ -122,8 +124,10 @@ struct ScheduleChoice {
 // micro-batch) pairs between their forward and their backward (for ZB-H1,
 // their weight gradient); a device's is the sum over its workers, and its
 // peak must not exceed memory_limit. Candidates: GPipe, 1F1B and ZB-H1, and
-// Interleaved1F1B when virtual_stages > 1. The fastest that fits wins (ties go
-// to the earlier in that list); if none fits, the one with the least peak.
+// Interleaved1F1B when virtual_stages > 1. The fastest that fits wins; among
+// equally fast ones (on one device every schedule takes the sum of its
+// operations), the one holding the fewest bytes, then the fewest activations,
+// then the earlier in that list. If none fits, the one with the least peak.
 // Limits: parameters and optimizer state are not counted (they do not depend
 // on the schedule); the costs are what the caller measured (e.g.
 // balance::profile_time on one sample), and a GPU that overlaps two streams'
@@ -160,22 +164,33 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
     SchedulePrediction p{s};
     p.time = schedules::makespan(programs, options.stage_costs(), devices);
     p.bubble = schedules::bubble(programs, options.stage_costs(), devices);
-    std::vector<std::pair<int64_t, double>> per_device;
+    // Per device: the sum of its workers' peaks (an upper bound: they may not
+    // coincide), in bytes and in activations.
+    std::vector<int64_t> seen;
+    std::vector<double> in_bytes, in_units;
     for (size_t r = 0; r < programs.size(); ++r) {
-      const double peak = schedules::peak_activations(programs[r], bytes);
-      auto it = std::find_if(per_device.begin(), per_device.end(),
-                             [&](const std::pair<int64_t, double>& d) { return d.first == devices[r]; });
-      if (it == per_device.end()) {
-        per_device.emplace_back(devices[r], peak);
-      } else {
-        it->second += peak;  // an upper bound: the workers' peaks may not coincide
+      size_t d = static_cast<size_t>(std::find(seen.begin(), seen.end(), devices[r]) - seen.begin());
+      if (d == seen.size()) {
+        seen.push_back(devices[r]);
+        in_bytes.push_back(0);
+        in_units.push_back(0);
       }
+      in_bytes[d] += schedules::peak_activations(programs[r], bytes);
+      in_units[d] += schedules::peak_activations(programs[r]);
     }
-    for (const auto& d : per_device) p.peak_memory = std::max(p.peak_memory, d.second);
+    p.peak_memory = *std::max_element(in_bytes.begin(), in_bytes.end());
+    p.peak_in_flight = *std::max_element(in_units.begin(), in_units.end());
     p.fits = options.memory_limit() <= 0 || p.peak_memory <= options.memory_limit();
     choice.candidates.push_back(p);
     const int k = static_cast<int>(choice.candidates.size()) - 1;
-    if (p.fits && (best < 0 || p.time < choice.candidates[static_cast<size_t>(best)].time)) best = k;
+    auto better = [](const SchedulePrediction& a, const SchedulePrediction& b) {
+      const double eps = 1e-9 * std::max(std::abs(a.time), std::abs(b.time));
+      if (a.time < b.time - eps) return true;
+      if (a.time > b.time + eps) return false;
+      if (a.peak_memory != b.peak_memory) return a.peak_memory < b.peak_memory;
+      return a.peak_in_flight < b.peak_in_flight;
+    };
+    if (p.fits && (best < 0 || better(p, choice.candidates[static_cast<size_t>(best)]))) best = k;
     if (least < 0 || p.peak_memory < choice.candidates[static_cast<size_t>(least)].peak_memory) {
       least = k;
     }
