@@ -344,8 +344,8 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
   auto x = torch::randn({batch, width}, torch::TensorOptions(devices4.front()));
   auto target = torch::empty({batch, 1}, torch::TensorOptions(devices4.back()));
   auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
-  // Auto's costs: forward + backward of each stage for one micro-batch, split
-  // F : I : W = 1 : 1 : 1.
+  // Auto's costs: forward + backward of each stage for one micro-batch
+  // (balance::profile_time on a micro-batch, balance::stage_costs).
   mpipe::schedules::Costs costs;
   {
     nn::Sequential all;
@@ -354,13 +354,7 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
       all->push_back(nn::ReLU());
     }
     const auto per_layer = mpipe::balance::profile_time(all, x.narrow(0, 0, split), 3);
-    for (int64_t s = 0; s < 4; ++s) {
-      double t = 0;
-      for (int64_t l = 2 * s * depth / 4; l < 2 * (s + 1) * depth / 4; ++l) {
-        t += per_layer[static_cast<size_t>(l)];
-      }
-      costs.push_back({t / 3, t / 3, t / 3, 0});
-    }
+    costs = mpipe::balance::stage_costs(per_layer, std::vector<int64_t>(4, 2 * depth / 4));
     for (auto& l : layers) l->zero_grad();
   }
   struct Mode {

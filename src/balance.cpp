@@ -178,11 +178,75 @@ std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor&
   return costs;
 }
 
+namespace {
+/// Per layer: its parameters' bytes times (1 + optimizer_state_scale) when
+/// `parameters`, plus its output's bytes for `sample`.
+std::vector<double> profile_bytes(torch::nn::Sequential layers, const at::Tensor& sample,
+                                  double optimizer_state_scale, bool parameters);
+}  // namespace
+
 std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tensor& sample,
                                    double optimizer_state_scale) {
   TORCH_CHECK(optimizer_state_scale >= 0,
               "mpipe::balance::profile_memory: optimizer_state_scale must be >= 0, got ",
               optimizer_state_scale);
+  return profile_bytes(std::move(layers), sample, optimizer_state_scale, true);
+}
+
+std::vector<double> profile_activations(torch::nn::Sequential layers, const at::Tensor& sample) {
+  return profile_bytes(std::move(layers), sample, 0, false);
+}
+
+namespace {
+/// Each size positive and all of them together n_layers.
+void check_stage_sizes(const char* who, size_t n_layers, const std::vector<int64_t>& sizes) {
+  int64_t total = 0;
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    TORCH_CHECK(sizes[b] > 0, "mpipe::balance::", who, ": stage ", b,
+                " must hold at least one layer, got ", sizes[b]);
+    total += sizes[b];
+  }
+  TORCH_CHECK(total == static_cast<int64_t>(n_layers), "mpipe::balance::", who,
+              ": the stages hold ", total, " layer(s), the values are of ", n_layers);
+}
+}  // namespace
+
+schedules::Costs stage_costs(const std::vector<double>& layer_times,
+                             const std::vector<int64_t>& sizes, double scale) {
+  check_costs(layer_times, "stage_costs");
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0,
+              "mpipe::balance::stage_costs: scale must be finite and >= 0, got ", scale);
+  check_stage_sizes("stage_costs", layer_times.size(), sizes);
+  schedules::Costs costs;
+  size_t at = 0;
+  for (int64_t n : sizes) {
+    double t = 0;
+    for (int64_t k = 0; k < n; ++k) t += layer_times[at++];
+    t *= scale;
+    costs.push_back({t / 3, t / 3, t / 3, 0});
+  }
+  return costs;
+}
+
+std::vector<double> stage_sums(const std::vector<double>& layer_values,
+                               const std::vector<int64_t>& sizes, double scale) {
+  check_costs(layer_values, "stage_sums");
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0,
+              "mpipe::balance::stage_sums: scale must be finite and >= 0, got ", scale);
+  check_stage_sizes("stage_sums", layer_values.size(), sizes);
+  std::vector<double> sums;
+  size_t at = 0;
+  for (int64_t n : sizes) {
+    double v = 0;
+    for (int64_t k = 0; k < n; ++k) v += layer_values[at++];
+    sums.push_back(v * scale);
+  }
+  return sums;
+}
+
+namespace {
+std::vector<double> profile_bytes(torch::nn::Sequential layers, const at::Tensor& sample,
+                                  double optimizer_state_scale, bool parameters) {
   const c10::Device device = device_of(layers);
   KeepAsItWas keep(*layers);
   c10::NoGradGuard no_grad;
@@ -191,6 +255,7 @@ std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tenso
   for (auto it = layers->begin(); it != layers->end(); ++it) {
     double bytes = 0;
     for (const auto& p : it->ptr()->parameters()) {
+      if (!parameters) break;
       bytes += static_cast<double>(p.numel() * p.element_size()) * (1 + optimizer_state_scale);
     }
     x = it->forward(x);
@@ -199,6 +264,7 @@ std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tenso
   }
   return costs;
 }
+}  // namespace
 
 ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<DeviceArg>& devices,
                        const std::vector<double>& costs, ModelPipelineOptions options) {

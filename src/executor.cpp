@@ -3,6 +3,7 @@
 #include "backward_positions.h"
 #include "recorder.h"
 #include "skips.h"
+#include "split_backward.h"
 #include "streams.h"
 
 #include "mpipe/state.h"
@@ -13,11 +14,9 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <atomic>
 #include <map>
-#include <set>
 #include <string>
 #include <utility>
 
@@ -51,21 +50,6 @@ namespace detail {
 // micro-batch in every mode. Losses are summed in micro-batch order after the
 // step, so the returned loss does not depend on the schedule. Nothing is
 // checkpointed in eval mode.
-
-// Note [Split backward]
-// ~~~~~~~~~~~~~~~~~~~~~
-// Zero-bubble schedules split B(j, i) into I(j, i), which the previous stage
-// waits for, and W(j, i), which nobody waits for. I runs autograd::grad from
-// the same roots and gradients as B, but only to the stage's input leaves
-// (and popped skip leaves), with retain_graph; autograd prunes what does not
-// lead there, so no weight gradient is computed. W runs backward from those
-// roots again, restricted (its `inputs`) to the leaves plain backward would
-// accumulate into: every AccumulateGrad leaf of the stage's graph (its
-// parameters, and any other leaf it used) except the input leaves. So the
-// gradients are those of B, whatever the stage holds. The price: W walks the
-// activation-gradient chain again (the graph does not keep the gradients I
-// computed), so I + W costs more than B; the schedule wins where the bubbles
-// it fills cost more than that. A micro-batch's activations live until its W.
 
 // Note [Call ownership]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -183,9 +167,7 @@ struct Executor::Run {
     std::map<std::string, int64_t> popped_from;  // ...the stasher
     StateSnapshot state_before;  // checkpointed: the stage's module state before forward
     bool checkpointed = false;
-    // Split backward: what I(i) backpropagated from, for W(i).
-    std::vector<at::Tensor> roots, root_grads;
-    std::vector<at::Tensor> leaves;  // inputs and popped leaves, which W leaves alone
+    WeightPass weights;  // split backward: prepared by I(i), run by W(i)
   };
 
   CallSpec* call = nullptr;
@@ -424,24 +406,24 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
     for (const auto& p : sv.popped) popped_grads[p.first] = grad_of(p.second);
   } else {
     // Note [Split backward]: the gradients of the inputs now, keeping the
-    // graph for W(i).
+    // graph (and the gradients W needs) for W(i).
     std::vector<at::Tensor> xs;
     for (const auto& x : sv.inputs) {
       if (x.defined() && x.requires_grad()) xs.push_back(x);
     }
     for (const auto& p : sv.popped) xs.push_back(p.second);
-    if (!r.empty() && !xs.empty()) {
-      const auto gx = torch::autograd::grad(r, xs, g, /*retain_graph=*/true,
-                                            /*create_graph=*/false, /*allow_unused=*/true);
-      size_t at = 0;
-      for (size_t k = 0; k < sv.inputs.size(); ++k) {
-        if (sv.inputs[k].defined() && sv.inputs[k].requires_grad()) input_grads[k] = gx[at++];
+    if (!r.empty()) {
+      sv.weights = WeightPass(r, g, xs);
+      if (!xs.empty()) {
+        const auto gx = torch::autograd::grad(r, xs, g, /*retain_graph=*/true,
+                                              /*create_graph=*/false, /*allow_unused=*/true);
+        size_t at = 0;
+        for (size_t k = 0; k < sv.inputs.size(); ++k) {
+          if (sv.inputs[k].defined() && sv.inputs[k].requires_grad()) input_grads[k] = gx[at++];
+        }
+        for (const auto& p : sv.popped) popped_grads[p.first] = gx[at++];
       }
-      for (const auto& p : sv.popped) popped_grads[p.first] = gx[at++];
     }
-    sv.roots = std::move(r);
-    sv.root_grads = std::move(g);
-    sv.leaves = std::move(xs);
   }
   for (const auto& p : popped_grads) {
     run.transport->send(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first},
@@ -456,46 +438,6 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
   if (!split) sv = Run::Saved{};  // this micro-batch's activations are free now
 }
 
-namespace {
-
-/// The leaves that backward from `roots` would accumulate gradients into,
-/// except `skip` (Note [Split backward]).
-std::vector<at::Tensor> accumulating_leaves(const std::vector<at::Tensor>& roots,
-                                            const std::vector<at::Tensor>& skip) {
-  std::vector<at::Tensor> leaves;
-  std::set<const torch::autograd::Node*> seen;
-  std::set<const c10::TensorImpl*> skipped;
-  for (const auto& t : skip) skipped.insert(t.unsafeGetTensorImpl());
-  std::vector<torch::autograd::Node*> todo;
-  for (const auto& r : roots) {
-    if (r.grad_fn()) {
-      todo.push_back(r.grad_fn().get());
-    } else if (r.requires_grad() && !skipped.count(r.unsafeGetTensorImpl())) {
-      leaves.push_back(r);  // a root that is itself a leaf
-      skipped.insert(r.unsafeGetTensorImpl());
-    }
-  }
-  while (!todo.empty()) {
-    torch::autograd::Node* node = todo.back();
-    todo.pop_back();
-    if (!node || !seen.insert(node).second) continue;
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      const at::Tensor& v = acc->variable;
-      if (v.defined() && !skipped.count(v.unsafeGetTensorImpl())) {
-        leaves.push_back(v);
-        skipped.insert(v.unsafeGetTensorImpl());
-      }
-      continue;
-    }
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function) todo.push_back(edge.function.get());
-    }
-  }
-  return leaves;
-}
-
-}  // namespace
-
 void Executor::weight_action(Run& run, int64_t j, int64_t i) {
   CallSpec& call = *run.call;
   const StagePlace& stage = stages_[static_cast<size_t>(j)];
@@ -504,13 +446,7 @@ void Executor::weight_action(Run& run, int64_t j, int64_t i) {
   MicroBatchGuard micro_batch({i, call.n_items});
   {
     TaskSpan span(call.recorder, j, i, TaskKind::BackwardWeight, stage.device, stage.compute);
-    if (!sv.roots.empty()) {
-      const auto leaves = accumulating_leaves(sv.roots, sv.leaves);
-      if (!leaves.empty()) {
-        torch::autograd::backward(sv.roots, sv.root_grads, /*retain_graph=*/false,
-                                  /*create_graph=*/false, leaves);
-      }
-    }
+    sv.weights.run();
   }
   sv = Run::Saved{};  // this micro-batch's activations are free now
 }

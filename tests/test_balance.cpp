@@ -123,3 +123,28 @@ TEST(Balance, ProfilingLeavesTheModelAsItWas) {
   EXPECT_EQ(pipe->size(), 2u);
   MPIPE_EXPECT_ERROR(mpipe::balance::balanced(model, {"cpu"}, {1.0}), "1 cost(s) for 5 layer(s)");
 }
+
+TEST(Balance, StageCostsForTheScheduleChoice) {
+  torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::ReLU(), torch::nn::Linear(64, 4));
+  const auto act = mpipe::balance::profile_activations(model, torch::randn({16, 8}));
+  EXPECT_EQ(act, (std::vector<double>{16 * 64 * 4.0, 16 * 64 * 4.0, 16 * 4 * 4.0}));
+  // Per stage, scaled to a micro-batch of 4 rows of the 16-row sample.
+  EXPECT_EQ(mpipe::balance::stage_sums(act, {2, 1}, 0.25),
+            (std::vector<double>{2 * 16 * 64.0, 16 * 4.0}));
+  const auto costs = mpipe::balance::stage_costs({3, 6, 9}, {1, 2}, 2.0);
+  ASSERT_EQ(costs.size(), 2u);
+  EXPECT_DOUBLE_EQ(costs[0].forward, 2);  // 3 * 2 / 3
+  EXPECT_DOUBLE_EQ(costs[1].backward_input, 10);  // (6 + 9) * 2 / 3
+  EXPECT_DOUBLE_EQ(costs[1].backward_weight, 10);
+  EXPECT_DOUBLE_EQ(costs[1].transfer, 0);
+  MPIPE_EXPECT_ERROR(mpipe::balance::stage_costs({1, 2}, {1, 2}), "stage_costs",
+                     "the stages hold 3 layer(s), the values are of 2");
+  MPIPE_EXPECT_ERROR(mpipe::balance::stage_costs({1, 2, 3}, {2, 0, 1}), "stage 1 must hold");
+  MPIPE_EXPECT_ERROR(mpipe::balance::stage_costs({1, -2}, {2}), "cost of layer 1");
+  MPIPE_EXPECT_ERROR(mpipe::balance::stage_sums({1, 2, 3}, {1, 1}), "the stages hold 2 layer(s)");
+  // Auto with those costs: 3 micro-batches over the 2 stages, each on its own device.
+  const auto choice = mpipe::choose_schedule(
+      3, 2, mpipe::TrainStepOptions(4).stage_costs(costs).activation_bytes({2048, 64}));
+  EXPECT_EQ(choice.candidates.size(), 3u);
+  EXPECT_DOUBLE_EQ(choice.candidates[0].peak_memory, 3 * 2048);  // GPipe holds all 3
+}

@@ -5,6 +5,7 @@
 // of the best-known Python library; from_sequential() builds the pipeline.
 
 #include <mpipe/model_pipeline.h>
+#include <mpipe/schedule.h>
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -47,6 +48,24 @@ std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor&
 /// scale 2), plus the activation it passes on for `sample` (its output).
 std::vector<double> profile_memory(torch::nn::Sequential layers, const at::Tensor& sample,
                                    double optimizer_state_scale = 0);
+
+/// The activation each layer passes on for `sample` (its output), in bytes:
+/// profile_memory without the parameters. What a micro-batch of that size
+/// keeps alive at the layer until its backward, about.
+std::vector<double> profile_activations(torch::nn::Sequential layers, const at::Tensor& sample);
+
+/// Schedule::Auto's stage costs (TrainStepOptions::stage_costs) from
+/// per-layer forward + backward times (profile_time) and the stage sizes
+/// (layer counts): each stage's sum times `scale` (e.g. micro-batch rows /
+/// sample rows), split forward : input gradient : weight gradient = 1 : 1 : 1
+/// (a backward costs about two forwards), no hand-off cost.
+schedules::Costs stage_costs(const std::vector<double>& layer_times,
+                             const std::vector<int64_t>& sizes, double scale = 1);
+
+/// Each stage's sum of per-layer values (e.g. profile_activations, for
+/// TrainStepOptions::activation_bytes) times `scale`.
+std::vector<double> stage_sums(const std::vector<double>& layer_values,
+                               const std::vector<int64_t>& sizes, double scale = 1);
 
 /// from_sequential with the split that minimises the largest stage's cost.
 ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<DeviceArg>& devices,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -108,6 +109,8 @@ inline std::string to_string(const Op& op) {
   return std::string(to_string(op.kind)) + "(" + std::to_string(op.micro_batch) + ", " +
          std::to_string(op.stage) + ")";
 }
+
+inline std::ostream& operator<<(std::ostream& out, const Op& op) { return out << to_string(op); }
 
 /// One rank's operations, in the order it runs them.
 using Program = std::vector<Op>;
