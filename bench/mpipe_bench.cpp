@@ -257,13 +257,17 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
     const char* name;
     mpipe::Schedule schedule;
     mpipe::Checkpoint checkpoint;
+    int64_t virtual_stages;  // stages = 4 * virtual_stages, the same layers
   };
-  for (const Mode& mode : {Mode{"gpipe", mpipe::Schedule::GPipe, mpipe::Checkpoint::Never},
-                           Mode{"1f1b", mpipe::Schedule::OneFOneB, mpipe::Checkpoint::Never},
+  for (const Mode& mode : {Mode{"gpipe", mpipe::Schedule::GPipe, mpipe::Checkpoint::Never, 1},
+                           Mode{"1f1b", mpipe::Schedule::OneFOneB, mpipe::Checkpoint::Never, 1},
+                           Mode{"zb-h1", mpipe::Schedule::ZeroBubbleH1, mpipe::Checkpoint::Never, 1},
+                           Mode{"interleaved-1f1b(v=2)", mpipe::Schedule::Interleaved1F1B,
+                                mpipe::Checkpoint::Never, 2},
                            Mode{"gpipe+checkpoint(except_last)", mpipe::Schedule::GPipe,
-                                mpipe::Checkpoint::ExceptLast},
+                                mpipe::Checkpoint::ExceptLast, 1},
                            Mode{"1f1b+checkpoint(always)", mpipe::Schedule::OneFOneB,
-                                mpipe::Checkpoint::Always}}) {
+                                mpipe::Checkpoint::Always, 1}}) {
     torch::manual_seed(0);
     timer.sync();
     // Frees the blocks earlier modes left waiting on stream events, so every
@@ -272,20 +276,23 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
     mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
                                   .worker_threads(!inline_host)
                                   .checkpoint(mode.checkpoint));
-    for (int s = 0; s < 4; ++s) {
+    const int64_t n_stages = 4 * mode.virtual_stages;
+    for (int64_t s = 0; s < n_stages; ++s) {  // stage s on the device of stage s % 4
       nn::Sequential stage;
-      for (int64_t l = 0; l < layers_per_stage; ++l) {
+      for (int64_t l = 0; l < 4 * layers_per_stage / n_stages; ++l) {
         stage->push_back(nn::Linear(width, width));
         stage->push_back(nn::ReLU());
       }
-      pipe->append(stage, devices[static_cast<size_t>(s)]);
+      pipe->append(stage, devices[static_cast<size_t>(s % 4)]);
     }
     auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()));
     auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
     auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
     auto step = [&] {
       pipe->zero_grad();
-      pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split).schedule(mode.schedule));
+      pipe->train_step(x, target, loss_fn,
+                       mpipe::TrainStepOptions(split).schedule(mode.schedule).virtual_stages(
+                           mode.virtual_stages));
     };
     step();  // gradients allocated, as in steady training
     timer.sync();
