@@ -29,16 +29,18 @@ class BackwardPositions;  // backward_positions.h
 
 // Note [One runtime]
 // ~~~~~~~~~~~~~~~~~~
-// Every call compiles to a CallSpec: a program per stage (schedule.h) of
-// actions F(i) (forward of item i) and B(i) (backward of item i), where items
+// Every call compiles to a CallSpec: a program per worker (schedule.h) of
+// actions F(i, s) (forward of item i on stage s), B(i, s) (its backward) or,
+// for zero-bubble schedules, I(i, s) and W(i, s) (the backward's input and
+// weight halves, Note [Split backward] in split_backward.cpp), where items
 // are micro-batches or time steps. Forward-type calls (forward,
 // constant_forward, sequence_forward, and constant_train_step's forward) are
 // programs of forwards only (schedules::forward_only) over one autograd graph;
-// train_step's programs come from its schedule (gpipe, one_f_one_b) and cut
-// the graph at stage boundaries (Note [Training runtime]).
+// train_step's programs come from its schedule and cut the graph at stage
+// boundaries (Note [Training runtime]).
 //
-// The executor runs the programs, threaded (stage j's program on worker j)
-// or inline (the caller runs the actions in schedules::simulate's tick order,
+// The executor runs the programs, threaded (program k on shared worker k) or
+// inline (the caller runs the actions in schedules::simulate's start order,
 // in which every input exists before it is needed). An action's inputs come
 // from the Transport (Note [Transport]): activations from the previous stage,
 // gradients from the next, skip tensors from their stasher (Note [Skip
@@ -46,8 +48,8 @@ class BackwardPositions;  // backward_positions.h
 // file has the one failure path (the first error is kept, the transport is
 // aborted so no stage waits, the caller rethrows it naming the stage, its
 // device, the item and the phase), the one place that records timeline tasks
-// (forward, recompute and backward spans here, copies in the transport), and
-// moves no data itself.
+// (forward, recompute, backward and its halves here, copies in the
+// transport), and moves no data itself.
 //
 // Around every stage call the executor sets: the stage's compute stream, the
 // item as MicroBatch (micro-batched calls) or micro-batch 0 of 1 (time

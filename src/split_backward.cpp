@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <functional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -127,39 +128,34 @@ WeightPass::WeightPass(std::vector<at::Tensor> roots, std::vector<at::Tensor> gr
     in_a[n] = a;
     reaches_weight[n] = w;
   }
-  /// The weight leaves reachable from `from` (all outside A), as output edges.
-  auto weights_below = [&](const std::vector<Node*>& from) {
-    torch::autograd::edge_list out;
+  /// Visits every node reachable from `from` through nodes that reach a
+  /// weight, until `visit` returns true (then returns true).
+  auto walk = [&](const std::vector<Node*>& from, const std::function<bool(Node*)>& visit) {
     std::unordered_set<Node*> visited;
     std::vector<Node*> todo(from);
     while (!todo.empty()) {
       Node* n = todo.back();
       todo.pop_back();
       if (!visited.insert(n).second) continue;
-      if (is_leaf_node(n)) {
-        out.emplace_back(n->shared_from_this(), 0);
-        continue;
-      }
-      for (const auto& e : n->next_edges()) {
-        if (e.function && reaches_weight[e.function.get()]) todo.push_back(e.function.get());
-      }
-    }
-    return out;
-  };
-  /// Whether any node reachable from `from` is one of `targets`.
-  auto reaches_any = [&](const std::vector<Node*>& from, const std::set<const Node*>& targets) {
-    std::unordered_set<Node*> visited;
-    std::vector<Node*> todo(from);
-    while (!todo.empty()) {
-      Node* n = todo.back();
-      todo.pop_back();
-      if (!visited.insert(n).second) continue;
-      if (targets.count(n)) return true;
+      if (visit(n)) return true;
       for (const auto& e : n->next_edges()) {
         if (e.function && reaches_weight[e.function.get()]) todo.push_back(e.function.get());
       }
     }
     return false;
+  };
+  /// The weight leaves reachable from `from` (all outside A), as output edges.
+  auto weights_below = [&](const std::vector<Node*>& from) {
+    torch::autograd::edge_list out;
+    walk(from, [&](Node* n) {
+      if (is_leaf_node(n)) out.emplace_back(n->shared_from_this(), 0);
+      return false;
+    });
+    return out;
+  };
+  /// Whether any node reachable from `from` is one of `targets`.
+  auto reaches_any = [&](const std::vector<Node*>& from, const std::set<const Node*>& targets) {
+    return walk(from, [&](Node* n) { return targets.count(n) > 0; });
   };
 
   // Roots outside A run from the root; roots that are leaves accumulate.

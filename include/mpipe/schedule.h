@@ -123,6 +123,20 @@ inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
                                 std::to_string(n_micro) + ", n_stages=" + std::to_string(n_stages));
   }
 }
+/// `warmup` forwards, then one forward and one backward in turn, then the
+/// remaining backwards: the 1F1B order of a rank's forwards and backwards.
+inline Program one_forward_one_backward(const Program& forwards, const Program& backwards,
+                                        size_t warmup) {
+  Program p;
+  size_t f = 0, b = 0;
+  while (f < std::min(warmup, forwards.size())) p.push_back(forwards[f++]);
+  while (f < forwards.size()) {
+    p.push_back(forwards[f++]);
+    if (b < backwards.size()) p.push_back(backwards[b++]);
+  }
+  while (b < backwards.size()) p.push_back(backwards[b++]);
+  return p;
+}
 }  // namespace detail
 
 /// The program of a call with no backward (forward, constant_forward,
@@ -158,15 +172,13 @@ inline std::vector<Program> one_f_one_b(int64_t n_micro, int64_t n_stages) {
   detail::check_sizes("one_f_one_b", n_micro, n_stages);
   std::vector<Program> programs(static_cast<size_t>(n_stages));
   for (int64_t s = 0; s < n_stages; ++s) {
-    Program& p = programs[static_cast<size_t>(s)];
-    const int64_t warmup = std::min(n_stages - s - 1, n_micro);
-    int64_t next_f = 0, next_b = 0;
-    while (next_f < warmup) p.push_back(F(next_f++, s));
-    while (next_f < n_micro) {
-      p.push_back(F(next_f++, s));
-      p.push_back(B(next_b++, s));
+    Program fwd, bwd;
+    for (int64_t i = 0; i < n_micro; ++i) {
+      fwd.push_back(F(i, s));
+      bwd.push_back(B(i, s));
     }
-    while (next_b < n_micro) p.push_back(B(next_b++, s));
+    programs[static_cast<size_t>(s)] =
+        detail::one_forward_one_backward(fwd, bwd, static_cast<size_t>(n_stages - s - 1));
   }
   return programs;
 }
@@ -205,16 +217,8 @@ inline std::vector<Program> interleaved_one_f_one_b(int64_t n_micro, int64_t n_s
         }
       }
     }
-    Program p;
-    const int64_t warmup = std::min(total, 2 * (d - r - 1) + (v - 1) * d);
-    size_t next_f = 0, next_b = 0;
-    while (static_cast<int64_t>(next_f) < warmup) p.push_back(fwd[next_f++]);
-    while (next_f < fwd.size()) {
-      p.push_back(fwd[next_f++]);
-      p.push_back(bwd[next_b++]);
-    }
-    while (next_b < bwd.size()) p.push_back(bwd[next_b++]);
-    for (const Op& op : p) {
+    const auto warmup = static_cast<size_t>(std::min(total, 2 * (d - r - 1) + (v - 1) * d));
+    for (const Op& op : detail::one_forward_one_backward(fwd, bwd, warmup)) {
       if (op.micro_batch < n_micro) programs[static_cast<size_t>(r)].push_back(op);
     }
   }
