@@ -336,29 +336,69 @@ TEST(Checkpointing, NothingIsRecomputedInEvalMode) {
 
 TEST(DeferredBatchNorm, RunningStatisticsEqualTheUnsplitModel) {
   torch::manual_seed(31);
-  for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
-    torch::nn::BatchNorm2d reference(3);
-    reference->to(torch::kDouble);
-    mpipe::DeferredBatchNorm deferred(3);
-    deferred->to(torch::kDouble);
-    auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
-    pipe->append(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 1)), "cpu");
-    pipe->append(deferred, "cpu");
-    pipe->to(torch::kDouble);
-    auto conv = pipe->stage(0)->as<torch::nn::Conv2d>();
-    for (int step = 0; step < 3; ++step) {
-      auto x = torch::randn({10, 2, 4, 4}, torch::kDouble) * (step + 1) + step;
-      pipe->train_step(x, torch::zeros({10, 3, 4, 4}, torch::kDouble),
-                       [](const torch::Tensor& o, const torch::Tensor& y) {
-                         return torch::mse_loss(o, y);
-                       },
-                       TrainStepOptions(3));  // micro-batches of 3, 3, 3, 1
-      torch::NoGradGuard no_grad;
-      reference(conv->forward(x));  // the unsplit batch through plain BatchNorm
-      expect_close(deferred->running_mean, reference->running_mean, 1e-10, "running_mean");
-      expect_close(deferred->running_var, reference->running_var, 1e-10, "running_var");
+  for (auto schedule : all_schedules()) {
+    for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
+      SCOPED_TRACE(schedule_name(schedule));
+      torch::nn::BatchNorm2d reference(3);
+      reference->to(torch::kDouble);
+      mpipe::DeferredBatchNorm deferred(3);
+      deferred->to(torch::kDouble);
+      auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
+      pipe->append(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 1)), "cpu");
+      pipe->append(deferred, "cpu");
+      pipe->to(torch::kDouble);
+      auto conv = pipe->stage(0)->as<torch::nn::Conv2d>();
+      for (int step = 0; step < 3; ++step) {
+        auto x = torch::randn({10, 2, 4, 4}, torch::kDouble) * (step + 1) + step;
+        pipe->train_step(x, torch::zeros({10, 3, 4, 4}, torch::kDouble),
+                         [](const torch::Tensor& o, const torch::Tensor& y) {
+                           return torch::mse_loss(o, y);
+                         },
+                         schedule_options(schedule, 3, 2));  // micro-batches of 3, 3, 3, 1
+        torch::NoGradGuard no_grad;
+        reference(conv->forward(x));  // the unsplit batch through plain BatchNorm
+        expect_close(deferred->running_mean, reference->running_mean, 1e-10, "running_mean");
+        expect_close(deferred->running_var, reference->running_var, 1e-10, "running_var");
+      }
+      EXPECT_EQ(deferred->num_batches_tracked.item<int64_t>(), 3);
     }
-    EXPECT_EQ(deferred->num_batches_tracked.item<int64_t>(), 3);
+  }
+}
+
+TEST(DeferredBatchNorm, EveryScheduleGivesThePlainPerMicroBatchGradients) {
+  // In training, DeferredBatchNorm normalises each micro-batch by its own
+  // statistics: the plain model is the loss summed over the micro-batches,
+  // each weighted by its share of the batch, through BatchNorm in training
+  // mode on that micro-batch alone.
+  for (auto schedule : all_schedules()) {
+    for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
+      SCOPED_TRACE(schedule_name(schedule) +
+                   (checkpoint == Checkpoint::Never ? "" : ", checkpointing"));
+      torch::manual_seed(33);
+      torch::nn::Conv2d conv(torch::nn::Conv2dOptions(2, 3, 1));
+      mpipe::DeferredBatchNorm deferred(3);
+      torch::nn::Conv2d head(torch::nn::Conv2dOptions(3, 3, 1));
+      auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
+      pipe->append(conv, "cpu").append(deferred, "cpu").append(head, "cpu");
+      pipe->to(torch::kDouble);
+      auto x = torch::randn({10, 2, 4, 4}, torch::kDouble) * 2 + 1;
+      auto target = torch::randn({10, 3, 4, 4}, torch::kDouble);
+      auto mse = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
+      auto loss = pipe->train_step(x, target, mse, schedule_options(schedule, 3, 3));
+      const auto grads = grads_of(*pipe);
+      zero_grads(*pipe);
+      torch::Tensor plain_loss = torch::zeros({}, torch::kDouble);
+      for (int64_t at = 0; at < 10; at += 3) {
+        const int64_t rows = std::min<int64_t>(3, 10 - at);
+        auto h = conv(x.narrow(0, at, rows));
+        h = torch::batch_norm(h, deferred->weight, deferred->bias, {}, {}, /*training=*/true,
+                              0.1, 1e-5, false);
+        plain_loss = plain_loss + mse(head(h), target.narrow(0, at, rows)) * (rows / 10.0);
+      }
+      plain_loss.backward();
+      expect_close(loss, plain_loss, 1e-12, "loss");
+      expect_same_grads(grads, grads_of(*pipe), 1e-12);
+    }
   }
 }
 
