@@ -1,5 +1,5 @@
 // A deep MLP classifier on Fashion-MNIST, split into pipeline stages and trained
-// with ModelPipelineImpl::train_step under a chosen schedule (GPipe or 1F1B)
+// with ModelPipelineImpl::train_step under a chosen schedule (GPipe, 1F1B, ZB-H1, Auto)
 // and checkpointing mode. See README.md.
 //
 //   stage 0: Flatten, Linear(784, H), DeferredBatchNorm, ReLU, Dropout
@@ -121,7 +121,10 @@ int run(Config cfg) {
   for (auto* ds : {&train, &test}) ds->images = (ds->images - mean) / std;
 
   auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
-  const auto schedule = cfg.schedule == "gpipe" ? mpipe::Schedule::GPipe : mpipe::Schedule::OneFOneB;
+  const auto schedule = cfg.schedule == "gpipe"   ? mpipe::Schedule::GPipe
+                        : cfg.schedule == "zb-h1" ? mpipe::Schedule::ZeroBubbleH1
+                        : cfg.schedule == "auto"  ? mpipe::Schedule::Auto
+                                                  : mpipe::Schedule::OneFOneB;
   std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s, hidden %lld, %lld train / %lld test "
               "images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
@@ -183,8 +186,8 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", cfg.hidden, "hidden units per layer")->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "Adam learning rate (cosine-annealed to 0)");
   app.add_option("--dropout", cfg.dropout, "dropout probability");
-  app.add_option("--schedule", cfg.schedule, "gpipe or 1f1b")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--schedule", cfg.schedule, "gpipe, 1f1b, zb-h1 or auto")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "zb-h1", "auto"}));
   app.add_option("--checkpoint", cfg.checkpoint, "never, except-last or always")
       ->check(CLI::IsMember({"never", "except-last", "always"}));
   app.add_option("--balance", cfg.balance,
