@@ -76,6 +76,29 @@ void flush_lines(int rank, Rank& r, bool all) {
   std::fflush(stdout);
 }
 
+/// Reads what the rank wrote so far (without blocking) and prints its
+/// complete lines; at the end of its output, the rest too.
+void drain(int rank, Rank& r) {
+  if (r.out < 0) return;
+  char buf[4096];
+  for (;;) {
+    const ssize_t got = read(r.out, buf, sizeof(buf));
+    if (got > 0) {
+      r.pending.append(buf, static_cast<size_t>(got));
+      continue;
+    }
+    if (got < 0 && errno == EINTR) continue;
+    if (got == 0 || errno != EAGAIN) {
+      close(r.out);
+      r.out = -1;
+      flush_lines(rank, r, true);
+      return;
+    }
+    break;
+  }
+  flush_lines(rank, r, false);
+}
+
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (auto& r : ranks) {
     if (r.running) kill(-r.pid, sig);  // the rank's process group
@@ -167,25 +190,7 @@ int main(int argc, char** argv) {
     }
     if (!fds.empty()) poll(fds.data(), fds.size(), 100);
     else usleep(100 * 1000);
-    for (int k = 0; k < n; ++k) {
-      Rank& r = ranks[static_cast<size_t>(k)];
-      if (r.out < 0) continue;
-      char buf[4096];
-      for (;;) {
-        const ssize_t got = read(r.out, buf, sizeof(buf));
-        if (got > 0) {
-          r.pending.append(buf, static_cast<size_t>(got));
-          continue;
-        }
-        if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
-          close(r.out);
-          r.out = -1;
-          flush_lines(k, r, true);
-        }
-        break;
-      }
-      flush_lines(k, r, false);
-    }
+    for (int k = 0; k < n; ++k) drain(k, ranks[static_cast<size_t>(k)]);
     int running = 0;
     for (int k = 0; k < n; ++k) {
       Rank& r = ranks[static_cast<size_t>(k)];
@@ -218,10 +223,13 @@ int main(int argc, char** argv) {
     }
     if (ending && elapsed() - ending_at > grace) signal_all(ranks, SIGKILL);
   }
+  // What the ranks wrote between the last read and their exit.
   for (int k = 0; k < n; ++k) {
     Rank& r = ranks[static_cast<size_t>(k)];
-    if (r.out >= 0) {
+    drain(k, r);
+    if (r.out >= 0) {  // a process the rank left behind holds the pipe open
       close(r.out);
+      r.out = -1;
       flush_lines(k, r, true);
     }
   }
