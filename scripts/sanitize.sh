@@ -27,7 +27,10 @@ for mode in "${modes[@]}"; do
     -DMPIPE_BUILD_EXAMPLES=OFF -DMPIPE_BUILD_BENCH=OFF \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
     -DCMAKE_SHARED_LINKER_FLAGS="$flags"
-  cmake --build "$build" -j "$(nproc)" --target mpipe_tests
+  # The tests and what ctest runs besides them (mpipe-launch, when CLI11 is there).
+  targets=(mpipe_tests)
+  grep -q 'build mpipe-launch:' "$build/build.ninja" && targets+=(mpipe-launch)
+  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
   echo "== $mode: running the tests"
   (
     cd "$build"
