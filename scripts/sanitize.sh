@@ -29,7 +29,9 @@ for mode in "${modes[@]}"; do
     -DCMAKE_SHARED_LINKER_FLAGS="$flags"
   # The tests and what ctest runs besides them (mpipe-launch, when CLI11 is there).
   targets=(mpipe_tests)
-  grep -q 'build mpipe-launch:' "$build/build.ninja" && targets+=(mpipe-launch)
+  for t in mpipe-launch mpipe_dist_tests; do
+    grep -q "build $t:" "$build/build.ninja" && targets+=("$t")
+  done
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
   echo "== $mode: running the tests"
   (

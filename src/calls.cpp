@@ -59,24 +59,48 @@ Tensors for_caller(Tensors out) {
 
 }  // namespace
 
+Tensors ModelPipelineImpl::State::forward_items(const std::vector<Input>& in, int64_t rows,
+                                                int64_t batch, bool threaded,
+                                                detail::RemoteCall* remote) {
+  const int64_t n_stages = executor.n_total();
+  CallSpec spec;
+  spec.method = "forward";
+  spec.item_name = "micro-batch";
+  spec.n_items = (batch - 1) / rows + 1;  // rows may be huge
+  spec.micro_batched = true;
+  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
+  spec.caller_tensors = detail::tensors_of(in);
+  spec.remote = remote;
+  std::vector<Tensors> outs(static_cast<size_t>(spec.n_items));
+  spec.sink = [&](int64_t i, Tensors o) { outs[static_cast<size_t>(i)] = std::move(o); };
+  execute(spec, threaded);
+  if (remote && !remote->last()) return {};
+  return for_caller(detail::gather("forward", "micro-batch", n_stages - 1, outs, false, true));
+}
+
 Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int64_t split_size,
                                           bool graphable_call) {
+  if (distributed()) {
+    return guarded("forward", [&] {
+      return across("forward", [&](detail::RemoteCall& call) {
+        const auto info = agree(call, "forward", [&] {
+          detail::CallInfo c;
+          c.batch = detail::split_batch("forward", inputs);
+          check_split("forward", split_size);
+          c.rows = split_size;
+          c.n_items = (c.batch - 1) / split_size + 1;
+          return c;
+        });
+        return forward_items(call.first() ? inputs : std::vector<Input>{}, info.rows, info.batch,
+                             self.options.worker_threads(), &call);
+      });
+    });
+  }
   const int64_t batch = detail::split_batch("forward", inputs);
   check_split("forward", split_size);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
-    CallSpec spec;
-    spec.method = "forward";
-    spec.item_name = "micro-batch";
-    spec.n_items = (batch - 1) / split_size + 1;  // split_size may be huge
-    spec.micro_batched = true;
-    spec.programs = schedules::forward_only(spec.n_items, static_cast<int64_t>(devices.size()));
-    spec.source = [&](int64_t i) { return detail::micro_batch(in, i, split_size, batch); };
-    spec.caller_tensors = detail::tensors_of(in);
-    std::vector<Tensors> outs(static_cast<size_t>(spec.n_items));
-    spec.sink = [&](int64_t i, Tensors o) { outs[static_cast<size_t>(i)] = std::move(o); };
-    execute(spec, threaded);
-    return for_caller(detail::gather("forward", "micro-batch",
-                                     static_cast<int64_t>(devices.size()) - 1, outs, false, true));
+    return forward_items(in, split_size, batch, threaded, nullptr);
   };
   return guarded("forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {
@@ -93,12 +117,15 @@ Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int6
 
 Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors& in, int64_t T,
                                                bool reduce, bool threaded,
-                                               detail::BackwardPositions* positions) {
+                                               detail::BackwardPositions* positions,
+                                               detail::RemoteCall* remote) {
+  const int64_t n_stages = executor.n_total();
   CallSpec spec;
   spec.method = method;
   spec.item_name = "time step";
   spec.n_items = T;
-  spec.programs = schedules::forward_only(T, static_cast<int64_t>(devices.size()));
+  spec.remote = remote;
+  spec.programs = schedules::forward_only(T, n_stages);
   spec.same_input = true;
   spec.source = [&](int64_t) { return in; };
   spec.caller_tensors = in;
@@ -106,13 +133,31 @@ Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors
   detail::TimeStepOutputs outs(T, reduce);
   spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
   execute(spec, threaded);
+  if (remote && !remote->last()) return {};
   if (reduce) return for_caller(outs.steps()[0]);
-  return for_caller(detail::gather(method, "time step", static_cast<int64_t>(devices.size()) - 1,
-                                   outs.steps(), false, false));
+  return for_caller(detail::gather(method, "time step", n_stages - 1, outs.steps(), false, false));
 }
 
 Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs, int64_t T,
                                                    bool reduce, bool graphable_call) {
+  if (distributed()) {
+    return guarded("constant_forward", [&] {
+      return across("constant_forward", [&](detail::RemoteCall& call) {
+        const auto info = agree(call, "constant_forward", [&] {
+          detail::batch_size("constant_forward", inputs, 0);
+          TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time "
+                      "steps) must be positive, got ", T);
+          detail::CallInfo c;
+          c.n_items = T;
+          c.reduce = reduce;
+          return c;
+        });
+        return run_constant("constant_forward",
+                            call.first() ? detail::tensors_of(inputs) : Tensors{}, info.n_items,
+                            info.reduce != 0, self.options.worker_threads(), nullptr, &call);
+      });
+    });
+  }
   detail::batch_size("constant_forward", inputs, 0);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
               "must be positive, got ", T);
@@ -131,29 +176,59 @@ Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inp
   });
 }
 
-Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs, bool reduce,
-                                                   bool graphable_call) {
+Tensors ModelPipelineImpl::State::sequence_items(const std::vector<Input>& in, int64_t T,
+                                                 bool reduce, bool threaded,
+                                                 detail::RemoteCall* remote) {
+  const int64_t n_stages = executor.n_total();
+  CallSpec spec;
+  spec.method = "sequence_forward";
+  spec.item_name = "time step";
+  spec.n_items = T;
+  spec.remote = remote;
+  spec.programs = schedules::forward_only(T, n_stages);
+  spec.source = [&](int64_t t) { return detail::time_step(in, t); };
+  spec.caller_tensors = detail::tensors_of(in);
+  detail::TimeStepOutputs outs(T, reduce);
+  spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
+  execute(spec, threaded);
+  if (remote && !remote->last()) return {};
+  if (reduce) return for_caller(outs.steps()[0]);
+  return for_caller(
+      detail::gather("sequence_forward", "time step", n_stages - 1, outs.steps(), true, false));
+}
+
+namespace {
+/// sequence_forward's T, from its inputs (checked).
+int64_t sequence_length(const std::vector<Input>& inputs) {
   const int64_t T = detail::batch_size("sequence_forward", inputs, 0);
   TORCH_CHECK(T != -1, "mpipe::ModelPipeline::sequence_forward: no input is batched; a "
               "batched input is [T, N, ...]");
   detail::batch_size("sequence_forward", inputs, 1);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::sequence_forward: the sequence has no time steps "
               "(T = 0)");
+  return T;
+}
+}  // namespace
+
+Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs, bool reduce,
+                                                   bool graphable_call) {
+  if (distributed()) {
+    return guarded("sequence_forward", [&] {
+      return across("sequence_forward", [&](detail::RemoteCall& call) {
+        const auto info = agree(call, "sequence_forward", [&] {
+          detail::CallInfo c;
+          c.n_items = sequence_length(inputs);
+          c.reduce = reduce;
+          return c;
+        });
+        return sequence_items(call.first() ? inputs : std::vector<Input>{}, info.n_items,
+                              info.reduce != 0, self.options.worker_threads(), &call);
+      });
+    });
+  }
+  const int64_t T = sequence_length(inputs);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
-    CallSpec spec;
-    spec.method = "sequence_forward";
-    spec.item_name = "time step";
-    spec.n_items = T;
-    spec.programs = schedules::forward_only(T, static_cast<int64_t>(devices.size()));
-    spec.source = [&](int64_t t) { return detail::time_step(in, t); };
-    spec.caller_tensors = detail::tensors_of(in);
-    detail::TimeStepOutputs outs(T, reduce);
-    spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
-    execute(spec, threaded);
-    if (reduce) return for_caller(outs.steps()[0]);
-    return for_caller(detail::gather("sequence_forward", "time step",
-                                     static_cast<int64_t>(devices.size()) - 1, outs.steps(), true,
-                                     false));
+    return sequence_items(in, T, reduce, threaded, nullptr);
   };
   return guarded("sequence_forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {
@@ -168,9 +243,44 @@ Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inp
   });
 }
 
+void ModelPipelineImpl::State::connect(const char* method) {
+  const auto& group = self.options.process_group();
+  const auto n_local = static_cast<int64_t>(devices.size());
+  TORCH_CHECK(n_local > 0, "mpipe::ModelPipeline::", method, ": rank ", group.rank(),
+              " holds no stage; append this rank's stages (ProcessGroup::stage_range) first");
+  if (connected_stages == n_local) return;
+  TORCH_CHECK(connected_stages < 0, "mpipe::ModelPipeline::", method, ": rank ", group.rank(),
+              " appended stages after the pipeline's first call across processes (it held ",
+              connected_stages, ", now ", n_local, "); append every stage before the first call");
+  if (pipeline_id < 0) pipeline_id = detail::next_pipeline_id(group);
+  const auto counts = detail::exchange_stage_counts(group, pipeline_id, n_local);
+  detail::Layout l;
+  int64_t first = 0;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    TORCH_CHECK(counts[p] > 0, "mpipe::ModelPipeline::", method, ": pipeline rank ", p,
+                " holds no stage");
+    l.first.push_back(first);
+    first += counts[p];
+  }
+  l.n_stages = first;
+  layout = l;
+  executor.set_layout(l.first[static_cast<size_t>(group.pipeline_rank())], l.n_stages,
+                      c10::str(", rank ", group.rank()));
+  connected_stages = n_local;
+}
+
+detail::CallInfo ModelPipelineImpl::State::agree(detail::RemoteCall& call, const char* method,
+                                                 const std::function<detail::CallInfo()>& make) {
+  if (!call.first()) return call.await_call(method);
+  detail::CallInfo info = make();
+  info.method = detail::method_code(method);
+  call.announce(info);
+  return info;
+}
+
 void ModelPipelineImpl::State::execute(CallSpec& spec, bool threaded) {
   std::shared_ptr<detail::Recorder> recorder;
-  if (self.options.record_timeline()) {
+  if (self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
     recorder = start_recording(
         spec.method, spec.item_name, spec.n_items,
         spec.training ? schedules::bubble(spec.programs)

@@ -2,6 +2,7 @@
 
 #include "backward_positions.h"
 #include "recorder.h"
+#include "remote.h"
 #include "skips.h"
 #include "split_backward.h"
 #include "streams.h"
@@ -172,7 +173,9 @@ struct Executor::Run {
 
   CallSpec* call = nullptr;
   const std::vector<StageForward>* forwards = nullptr;
-  std::unique_ptr<LocalTransport> transport;
+  std::unique_ptr<LocalTransport> local;
+  std::unique_ptr<RemoteTransport> remote;  // a call across processes
+  Transport* transport = nullptr;           // remote, else local
   std::map<std::string, std::shared_ptr<c10::Event>> entries;  // by device: the caller's work
   at::ThreadLocalState tls;
   CallRng rng;
@@ -184,6 +187,7 @@ struct Executor::Run {
   std::atomic<bool> failed{false};
   std::exception_ptr error;
   int64_t finished = 0;
+  int64_t expected = 0;  // worker programs queued
   std::condition_variable done;
 
   void fail(std::exception_ptr e) {
@@ -200,7 +204,7 @@ struct Executor::Run {
     for (auto& v : values) {
       if (!v.defined()) continue;
       auto it = entries.find(v.device().str());
-      v = transport->accept(to, item, {v}, it == entries.end() ? nullptr : it->second)[0];
+      v = local->accept(to, item, {v}, it == entries.end() ? nullptr : it->second)[0];
     }
     return values;
   }
@@ -230,8 +234,8 @@ void Executor::add_stage(c10::Device device) {
 
 void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
   CallSpec& call = *run.call;
-  const StagePlace& stage = stages_[static_cast<size_t>(j)];
-  const bool last = j + 1 == static_cast<int64_t>(stages_.size());
+  const StagePlace& stage = place(j);
+  const bool last = j + 1 == n_total();
   Tensors in;
   if (j == 0 && call.same_input && i > 0) {
     in = run.stage0_input;
@@ -241,7 +245,7 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
   } else {
     in = run.transport->receive(j, Key{Key::Activation, i, {}});
   }
-  Run::Saved* sv = call.training ? &run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)]
+  Run::Saved* sv = call.training ? &run.saved[local(j)][static_cast<size_t>(i)]
                                  : nullptr;
   const bool ckpt = call.training && checkpointed(call.checkpoint, i, call.n_items);
   if (sv) {
@@ -286,11 +290,11 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
           return t;
         });
     if (ckpt) {
-      if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[static_cast<size_t>(j)]);
+      if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[local(j)]);
       c10::NoGradGuard no_grad;
-      out = (*run.forwards)[static_cast<size_t>(j)](in);
+      out = (*run.forwards)[local(j)](in);
     } else {
-      out = (*run.forwards)[static_cast<size_t>(j)](in);
+      out = (*run.forwards)[local(j)](in);
     }
   }
   TORCH_CHECK(!out.empty(), "the stage returned no tensor");
@@ -326,9 +330,9 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
 
 void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase, bool split) {
   CallSpec& call = *run.call;
-  const StagePlace& stage = stages_[static_cast<size_t>(j)];
-  const bool last = j + 1 == static_cast<int64_t>(stages_.size());
-  Run::Saved& sv = run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
+  const StagePlace& stage = place(j);
+  const bool last = j + 1 == n_total();
+  Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
   Tensors grads;
   if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
 
@@ -351,7 +355,7 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
         }
       }
     } reload{sv.state_before.empty() ? StateSnapshot()
-                                     : StateSnapshot((*call.stateful)[static_cast<size_t>(j)])};
+                                     : StateSnapshot((*call.stateful)[local(j)])};
     sv.state_before.load();
     RecomputeGuard recompute;
     SkipScope skips(
@@ -366,7 +370,7 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
           stashed.erase(own);
           return t;
         });
-    Tensors out = (*run.forwards)[static_cast<size_t>(j)](sv.inputs);
+    Tensors out = (*run.forwards)[local(j)](sv.inputs);
     if (last) {
       phase = "loss of micro-batch";
       at::Tensor loss = call.loss(i, out, sv.targets);
@@ -440,8 +444,8 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
 
 void Executor::weight_action(Run& run, int64_t j, int64_t i) {
   CallSpec& call = *run.call;
-  const StagePlace& stage = stages_[static_cast<size_t>(j)];
-  Run::Saved& sv = run.saved[static_cast<size_t>(j)][static_cast<size_t>(i)];
+  const StagePlace& stage = place(j);
+  Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
   c10::OptionalStreamGuard stream_guard(stage.compute);
   MicroBatchGuard micro_batch({i, call.n_items});
   {
@@ -465,7 +469,7 @@ std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* 
   }
   try {
     TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", j, " (on ",
-                stages_[static_cast<size_t>(j)].device, ") failed at ", phase, " ", i, " of ",
+                place(j).device, rank_, ") failed at ", phase, " ", i, " of ",
                 call.n_items, ": ", what);
   } catch (...) {
     return std::current_exception();
@@ -497,16 +501,24 @@ bool Executor::run_action(Run& run, const schedules::Op& op) {
   }
 }
 
-void Executor::run_program(Run& run, size_t rank) {
+void Executor::run_program(Run& run, const schedules::Program& program) {
   at::ThreadLocalStateGuard tls_guard(run.tls);  // the caller's grad mode, dispatch keys, ...
-  for (const schedules::Op& op : run.call->programs[rank]) {
+  for (const schedules::Op& op : program) {
     if (!run_action(run, op)) return;
   }
 }
 
+void Executor::set_layout(int64_t first, int64_t n_total, std::string rank_note) {
+  first_ = first;
+  n_total_ = n_total;
+  rank_ = std::move(rank_note);
+}
+
 void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded) {
-  const auto n_stages = static_cast<int64_t>(stages_.size());
-  TORCH_INTERNAL_ASSERT(n_stages > 0 && forwards.size() == stages_.size() && call.n_items > 0);
+  const int64_t n_stages = n_total();
+  const auto n_local = static_cast<int64_t>(stages_.size());
+  TORCH_INTERNAL_ASSERT(n_local > 0 && forwards.size() == stages_.size() && call.n_items > 0);
+  TORCH_INTERNAL_ASSERT(call.remote || n_local == n_stages);
   const auto n_ranks = static_cast<int64_t>(call.programs.size());
   TORCH_INTERNAL_ASSERT(n_ranks > 0 && n_ranks <= n_stages);
   schedules::validate(call.programs, n_stages, call.n_items, call.training);
@@ -514,12 +526,34 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
     call.input_grads.assign(static_cast<size_t>(call.n_items), Tensors());
     call.losses.assign(static_cast<size_t>(call.n_items), at::Tensor());
   }
+  // Across processes, each program keeps the operations of this process's
+  // stages (Note [Cross-process calls]).
+  auto mine = [&](const schedules::Op& op) {
+    return op.stage >= first_ && op.stage < first_ + n_local;
+  };
+  std::vector<schedules::Program> programs;
+  for (const auto& program : call.programs) {
+    schedules::Program kept;
+    for (const auto& op : program) {
+      if (mine(op)) kept.push_back(op);
+    }
+    programs.push_back(std::move(kept));
+  }
 
   auto run = std::make_shared<Run>();
   run->call = &call;
   run->forwards = &forwards;
   if (t_on_worker) threaded = false;  // a call from inside a stage (Note [Shared streams and workers])
-  run->transport = std::make_unique<LocalTransport>(stages_, threaded, call.recorder);
+  run->local = std::make_unique<LocalTransport>(
+      stages_, first_, threaded || call.remote != nullptr, call.recorder,
+      call.remote ? call.remote->group().timeout() : std::chrono::milliseconds(0));
+  run->transport = run->local.get();
+  if (call.remote) {
+    run->remote = std::make_unique<RemoteTransport>(
+        *run->local, *call.remote, first_, first_ + n_local, run->skips,
+        [r = run.get()](std::exception_ptr e) { r->fail(std::move(e)); });
+    run->transport = run->remote.get();
+  }
   for (const auto& t : call.caller_tensors) {
     if (!t.defined() || t.device().is_cpu() || run->entries.count(t.device().str())) continue;
     run->entries[t.device().str()] = record_event(current_stream(t.device()));
@@ -528,32 +562,43 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   for (const auto& s : stages_) devices.push_back(s.device);
   run->rng = CallRng::begin(devices);
   if (call.training) {
-    run->saved.assign(static_cast<size_t>(n_stages),
+    run->saved.assign(static_cast<size_t>(n_local),
                       std::vector<Run::Saved>(static_cast<size_t>(call.n_items)));
   }
   fork();
+  struct Detach {  // no message reaches the transport once this call is over
+    RemoteCall* remote;
+    ~Detach() {
+      if (remote) remote->detach();
+    }
+  } detach{call.remote};
+  if (call.remote) call.remote->attach(run->remote.get());
 
   if (threaded) {
     std::lock_guard<std::mutex> queue_lock(queue_mutex());  // Note [Shared streams and workers]
-    for (int64_t k = 0; k < n_ranks; ++k) {
-      shared_worker(static_cast<size_t>(k)).push([this, r = run, k]() mutable {
-        run_program(*r, static_cast<size_t>(k));
+    for (size_t k = 0; k < programs.size(); ++k) {
+      if (programs[k].empty()) continue;
+      shared_worker(k).push([this, r = run, k, program = programs[k]]() mutable {
+        run_program(*r, program);
         Run& done = *r;
         r.reset();  // before the caller can move on (Note [Call ownership])
         std::lock_guard<std::mutex> lock(done.mutex);
         ++done.finished;
         done.done.notify_all();
       });
+      ++run->expected;
     }
   }
   if (threaded) {
     std::unique_lock<std::mutex> lock(run->mutex);
-    run->done.wait(lock, [&] { return run->finished == n_ranks; });
+    run->done.wait(lock, [&] { return run->finished == run->expected; });
   } else {
     for (const auto& t : schedules::simulate(call.programs)) {
+      if (!mine(t.op)) continue;
       if (!run_action(*run, t.op)) break;
     }
   }
+  if (call.remote) call.remote->detach();
 
   join();  // also after a failure: the caller may free what the stages used
   run->saved.clear();  // a failed step leaves activations behind: drop them

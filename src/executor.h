@@ -25,6 +25,7 @@ namespace mpipe {
 namespace detail {
 
 class Recorder;           // recorder.h
+class RemoteCall;         // remote.h
 class BackwardPositions;  // backward_positions.h
 
 // Note [One runtime]
@@ -99,6 +100,10 @@ struct CallSpec {
 
   /// Records every task when the timeline is on (Note [Timeline]); else null.
   Recorder* recorder = nullptr;
+
+  /// A call across processes (Note [Cross-process calls]): programs name
+  /// global stages, and this process runs the operations of its own.
+  RemoteCall* remote = nullptr;
 };
 
 /// A thread that runs queued tasks in order. Workers are shared by every
@@ -127,6 +132,13 @@ class Executor {
 
   /// Prepares streams for a stage appended on `device`.
   void add_stage(c10::Device device);
+  /// Across processes: this process's stages are global stages [first, first
+  /// + count) of `n_total`; `rank_note` (", rank 1") goes into error messages.
+  void set_layout(int64_t first, int64_t n_total, std::string rank_note);
+  int64_t first_stage() const { return first_; }
+  int64_t n_total() const {
+    return n_total_ > 0 ? n_total_ : static_cast<int64_t>(stages_.size());
+  }
   const std::vector<StagePlace>& stages() const { return stages_; }
   /// Stage `stage`'s compute stream (none for CPU stages).
   c10::optional<c10::Stream> compute_stream(size_t stage) const { return stages_[stage].compute; }
@@ -154,13 +166,19 @@ class Executor {
   /// Runs one action, catching its failure; false when the call has failed
   /// (here or elsewhere) and the stage must stop.
   bool run_action(Run& run, const schedules::Op& op);
-  void run_program(Run& run, size_t rank);
+  void run_program(Run& run, const schedules::Program& program);
   /// Inside a catch block: the current exception as a c10::Error naming the
   /// call, the stage, its device, the phase and the item.
   std::exception_ptr describe_failure(const CallSpec& call, const char* phase, int64_t stage,
                                       int64_t item) const;
 
+  const StagePlace& place(int64_t stage) const { return stages_[local(stage)]; }
+  size_t local(int64_t stage) const { return static_cast<size_t>(stage - first_); }
+
   std::vector<StagePlace> stages_;
+  int64_t first_ = 0;
+  int64_t n_total_ = 0;  // 0: the local stages are all
+  std::string rank_;
 };
 
 }  // namespace detail

@@ -84,6 +84,9 @@ void check_runnable(const ModelPipelineImpl& p, const char* method, const at::Te
                     bool time_major = false) {
   TORCH_CHECK(!p.is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
+  // Across processes the first rank checks its inputs inside the call, so
+  // that every rank hears of a bad one (Note [Cross-process calls]).
+  if (p.options.process_group().defined()) return;
   TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
   if (time_major) {
     TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::", method,
@@ -105,6 +108,7 @@ void check_runnable(const ModelPipelineImpl& p, const char* method) {
 }
 
 at::Tensor only(const char* method, Tensors out) {
+  if (out.empty()) return {};  // a rank before the last, across processes
   TORCH_CHECK(out.size() == 1, "mpipe::ModelPipeline::", method, ": the last stage returned ",
               out.size(), " tensors; call the overload that takes std::vector<mpipe::Input> "
               "and returns mpipe::Tensors");

@@ -19,6 +19,7 @@
 #include "executor.h"
 #include "graphs.h"
 #include "recorder.h"
+#include "remote.h"
 #include "state_snapshot.h"
 
 #include <functional>
@@ -64,7 +65,8 @@ struct ModelPipelineImpl::State {
   /// constant_forward's call (also constant_train_step's forward): the
   /// outputs summed or concatenated time-major.
   Tensors run_constant(const char* method, const Tensors& in, int64_t T, bool reduce,
-                       bool threaded, detail::BackwardPositions* positions = nullptr);
+                       bool threaded, detail::BackwardPositions* positions = nullptr,
+                       detail::RemoteCall* remote = nullptr);
   /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
   bool graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
@@ -76,6 +78,27 @@ struct ModelPipelineImpl::State {
   void begin_memory_watch();
   void end_memory_watch(const char* method);
 
+  // Across processes (Note [Cross-process calls]) ---------------------------
+  int64_t pipeline_id = -1;  // on the group, in construction (or first-call) order
+  int64_t call_seq = 0;
+  int64_t connected_stages = -1;  // the local stage count the layout was made for
+  detail::Layout layout;
+  bool distributed() const { return self.options.process_group().defined(); }
+  /// The stage ranges of every rank, exchanged at the first call.
+  void connect(const char* method);
+  /// Runs `body(call)` as one call across processes on every rank
+  /// (Note [Cross-process calls]): its error ends the call on every rank.
+  template <typename F>
+  auto across(const char* method, F&& body)
+      -> decltype(body(std::declval<detail::RemoteCall&>()));
+  /// The first rank's `make()`, told to every rank.
+  detail::CallInfo agree(detail::RemoteCall& call, const char* method,
+                         const std::function<detail::CallInfo()>& make);
+  Tensors forward_items(const std::vector<Input>& in, int64_t rows, int64_t batch, bool threaded,
+                        detail::RemoteCall* remote);
+  Tensors sequence_items(const std::vector<Input>& in, int64_t T, bool reduce, bool threaded,
+                         detail::RemoteCall* remote);
+
   // train_steps.cpp ---------------------------------------------------------
   at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step,
@@ -84,6 +107,12 @@ struct ModelPipelineImpl::State {
                                  const at::Tensor& target, const LossFunction& loss_fn,
                                  bool graphable_call);
   bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
+  /// One train_step through the executor: `inputs` are the caller's (their
+  /// gradients are accumulated), `in` their detached copies, `y` the target
+  /// (each only where this rank needs it, across processes).
+  at::Tensor step_items(const std::vector<Input>& inputs, const std::vector<Input>& in,
+                        const at::Tensor& y, const LossFunction& loss_fn,
+                        const detail::CallInfo& info, bool threaded, detail::RemoteCall* remote);
   /// A training step: replayed from a CUDA graph when step_graphable (and
   /// `graphable_call`), else `eager(x, target, worker_threads)`.
   at::Tensor run_step(const detail::GraphKey& key, bool graphable_call, const at::Tensor& x,
@@ -104,6 +133,39 @@ auto ModelPipelineImpl::State::guarded(const char* method, F&& body) -> decltype
   } end_watch{*this, method};
   detail::RollbackOnFailure rollback(stateful);  // Note [State snapshots]
   return body();
+}
+
+template <typename F>
+auto ModelPipelineImpl::State::across(const char* method, F&& body)
+    -> decltype(body(std::declval<detail::RemoteCall&>())) {
+  connect(method);
+  detail::RemoteCall call(self.options.process_group(), layout, pipeline_id, call_seq++);
+  decltype(body(call)) result;
+  std::exception_ptr error;
+  try {
+    result = body(call);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error) {
+    std::string what;
+    try {
+      std::rethrow_exception(error);
+    } catch (const c10::Error& e) {
+      what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      what = "unknown exception";
+    }
+    const std::string others = call.finish(what, method);
+    if (others.empty()) std::rethrow_exception(error);
+    // What the other ranks reported may name the root cause (the rank that
+    // stalled behind the one this rank waited for).
+    TORCH_CHECK(false, what, "; other ranks: ", others);
+  }
+  call.finish("", method);  // throws another rank's failure
+  return result;
 }
 
 }  // namespace mpipe

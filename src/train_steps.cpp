@@ -99,6 +99,49 @@ void check_grad_mode(const char* method) {
               "InferenceMode is active); a training step needs them");
 }
 
+// Note [Data parallel replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With GroupOptions::replicas R > 1, each replica trains on its own batch
+// and, after the step, what the step added to each parameter's gradient is
+// summed across the R replicas of its stage (one c10d allreduce per device
+// and dtype, on the group of those replicas), then divided by R for
+// LossReduction::Mean: the gradients of one step on the R batches together
+// (as many rows each). Gradients accumulated before the step are kept out of
+// the sum, so accumulation over several steps stays exact. The last ranks'
+// losses are reduced the same way.
+class ReplicaGradients {
+ public:
+  ReplicaGradients(std::vector<at::Tensor> params, detail::RemoteCall* remote)
+      : remote_(remote && remote->group().replicas() > 1 ? remote : nullptr) {
+    if (!remote_) return;
+    params_ = std::move(params);
+    for (const auto& p : params_) {
+      before_.push_back(p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    }
+  }
+
+  void reduce(bool mean, at::Tensor& loss) {
+    if (!remote_) return;
+    std::vector<at::Tensor> added;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      at::Tensor& p = params_[k];
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);  // every replica sends one
+      at::Tensor g = p.grad();
+      if (before_[k].defined()) g.sub_(before_[k]);
+      added.push_back(g);
+    }
+    if (loss.defined()) added.push_back(loss);
+    detail::allreduce_replicas(remote_->group(), added, mean);
+    for (size_t k = 0; k < params_.size(); ++k) {
+      if (before_[k].defined()) params_[k].grad().add_(before_[k]);
+    }
+  }
+
+ private:
+  detail::RemoteCall* remote_;
+  std::vector<at::Tensor> params_, before_;
+};
+
 }  // namespace
 
 void ModelPipelineImpl::State::check_checkpointable(const char* method) const {
@@ -142,130 +185,191 @@ at::Tensor ModelPipelineImpl::State::run_step(
   return eager(x, target, self.options.worker_threads());
 }
 
+at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs,
+                                                const std::vector<Input>& in, const at::Tensor& y,
+                                                const LossFunction& loss_fn,
+                                                const detail::CallInfo& info, bool threaded,
+                                                detail::RemoteCall* remote) {
+  const int64_t rows = info.rows, batch = info.batch;
+  const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
+  const bool first = !remote || remote->first();
+  const bool last_rank = !remote || remote->last();
+  std::vector<bool> requires_grad;
+  bool any_grad = false;
+  for (const auto& x : inputs) {
+    requires_grad.push_back(first && x.tensor.requires_grad());
+    any_grad |= first && x.tensor.requires_grad();
+  }
+  CallSpec spec;
+  spec.method = "train_step";
+  spec.item_name = "micro-batch";
+  spec.training = true;
+  spec.micro_batched = true;
+  spec.remote = remote;
+  spec.n_items = info.n_items;
+  const auto schedule = static_cast<Schedule>(info.schedule);
+  spec.schedule = to_string(schedule);
+  spec.programs = programs_for(schedule, spec.n_items, executor.n_total(), info.virtual_stages);
+  spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
+  spec.target = [&](int64_t i) {
+    return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
+  };
+  spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
+    TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
+                " tensors; train_step's loss_fn takes one");
+    at::Tensor loss = call_loss(loss_fn, out[0], tgt[0]);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "the loss function must return one value, got ",
+                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+    loss = loss.reshape({});
+    if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+    return loss;
+  };
+  spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
+  spec.stateful = &stateful;
+  spec.input_requires_grad = requires_grad;
+  spec.caller_tensors = detail::tensors_of(in);
+  if (y.defined()) spec.caller_tensors.push_back(y);
+  ReplicaGradients replicas(self.parameters(), remote);  // data parallelism: what this step adds
+  execute(spec, threaded);
+  at::Tensor loss_sum;
+  if (last_rank) {  // the step's loss, on the last stage's stream, summed in micro-batch order
+    c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
+    for (const auto& l : spec.losses) loss_sum = loss_sum.defined() ? loss_sum + l : l;
+  }
+  executor.join();  // the caller's streams wait for the sum too (and a graph capture joins it)
+  // Parameter gradients and the loss are used on the caller's streams now.
+  for (size_t j = 0; j < devices.size(); ++j) {
+    for (const auto& p : stages->ptr(j)->parameters()) detail::record_on_current(p.grad());
+  }
+  if (loss_sum.defined()) detail::record_on_current(loss_sum);
+  if (any_grad) {  // the inputs' gradients, through the caller's own graph
+    std::vector<at::Tensor> roots, grads;
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      if (!requires_grad[k]) continue;
+      std::vector<at::Tensor> parts;
+      at::Tensor sum;
+      for (int64_t i = 0; i < spec.n_items; ++i) {
+        const auto& mb = detail::micro_batch(in, i, rows, batch)[k];
+        at::Tensor g = spec.input_grads[static_cast<size_t>(i)][k];
+        if (!g.defined()) g = at::zeros_like(mb);
+        detail::record_on_current(g);
+        g = g.to(inputs[k].tensor.device());
+        if (inputs[k].batched) {
+          parts.push_back(g);
+        } else {
+          sum = sum.defined() ? sum + g : g;
+        }
+      }
+      roots.push_back(inputs[k].tensor);
+      grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
+    }
+    torch::autograd::backward(roots, grads);
+  }
+  replicas.reduce(mean, loss_sum);
+  return loss_sum;
+}
+
 at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs,
                                                 const at::Tensor& target,
                                                 const LossFunction& loss_fn,
                                                 const TrainStepOptions& step,
                                                 bool graphable_call) {
-  const int64_t batch = detail::split_batch("train_step", inputs);
-  TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == batch,
-              "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
-              batch, ") along dim 0, got ",
-              target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
-  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
-  TORCH_CHECK(step.split_size() > 0,
-              "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
-              step.split_size());
-  check_schedule(step, static_cast<int64_t>(devices.size()));
-  check_grad_mode("train_step");
-  const int64_t rows = step.split_size();
-  const bool mean = step.reduction() == LossReduction::Mean;
-  const auto n_stages = static_cast<int64_t>(devices.size());
-  std::vector<bool> requires_grad;
-  bool any_grad = false;
-  for (const auto& in : inputs) {
-    requires_grad.push_back(in.tensor.requires_grad());
-    any_grad |= in.tensor.requires_grad();
-  }
-  auto eager = [&](const std::vector<Input>& in, const at::Tensor& y, bool threaded) {
-    CallSpec spec;
-    spec.method = "train_step";
-    spec.item_name = "micro-batch";
-    spec.training = true;
-    spec.micro_batched = true;
-    spec.n_items = (batch - 1) / rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
-    const Schedule schedule = step.schedule() == Schedule::Auto
-                                  ? choose_schedule(spec.n_items, n_stages, step,
-                                                    device_labels(devices))
-                                        .schedule
-                                  : step.schedule();
-    spec.schedule = to_string(schedule);
-    spec.programs = programs_for(schedule, spec.n_items, n_stages, step.virtual_stages());
-    spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
-    spec.target = [&](int64_t i) {
-      return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
-    };
-    spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
-      TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
-                  " tensors; train_step's loss_fn takes one");
-      at::Tensor loss = call_loss(loss_fn, out[0], tgt[0]);
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "the loss function must return one value, got ",
-                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-      loss = loss.reshape({});
-      if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
-      return loss;
-    };
-    spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
-    spec.stateful = &stateful;
-    spec.input_requires_grad = requires_grad;
-    spec.caller_tensors = detail::tensors_of(in);
-    spec.caller_tensors.push_back(y);
-    execute(spec, threaded);
-    at::Tensor loss_sum;
-    {  // the step's loss, on the last stage's stream, summed in micro-batch order
-      c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
-      for (const auto& l : spec.losses) loss_sum = loss_sum.defined() ? loss_sum + l : l;
-    }
-    executor.join();  // the caller's streams wait for the sum too (and a graph capture joins it)
-    // Parameter gradients and the loss are used on the caller's streams now.
-    for (size_t j = 0; j < devices.size(); ++j) {
-      for (const auto& p : stages->ptr(j)->parameters()) detail::record_on_current(p.grad());
-    }
-    detail::record_on_current(loss_sum);
-    if (any_grad) {  // the inputs' gradients, through the caller's own graph
-      std::vector<at::Tensor> roots, grads;
-      for (size_t k = 0; k < inputs.size(); ++k) {
-        if (!requires_grad[k]) continue;
-        std::vector<at::Tensor> parts;
-        at::Tensor sum;
-        for (int64_t i = 0; i < spec.n_items; ++i) {
-          const auto& mb = detail::micro_batch(in, i, rows, batch)[k];
-          at::Tensor g = spec.input_grads[static_cast<size_t>(i)][k];
-          if (!g.defined()) g = at::zeros_like(mb);
-          detail::record_on_current(g);
-          g = g.to(inputs[k].tensor.device());
-          if (inputs[k].batched) {
-            parts.push_back(g);
-          } else {
-            sum = sum.defined() ? sum + g : g;
-          }
-        }
-        roots.push_back(inputs[k].tensor);
-        grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
+  // The call's description from the inputs and options (the first rank's,
+  // across processes), checked.
+  auto describe = [&] {
+    detail::CallInfo c;
+    c.batch = detail::split_batch("train_step", inputs);
+    TORCH_CHECK(step.split_size() > 0,
+                "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
+                step.split_size());
+    const int64_t n_stages = executor.n_total();
+    check_schedule(step, n_stages);
+    c.rows = step.split_size();
+    c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    std::vector<int64_t> labels;
+    if (distributed()) {  // every process its own device, apart from this rank's stages
+      const auto mine = device_labels(devices);
+      for (int64_t s = 0; s < n_stages; ++s) {
+        const int64_t local = s - executor.first_stage();
+        labels.push_back(local >= 0 && local < static_cast<int64_t>(devices.size())
+                             ? executor.first_stage() + mine[static_cast<size_t>(local)]
+                             : s);
       }
-      torch::autograd::backward(roots, grads);
+    } else {
+      labels = device_labels(devices);
     }
-    return loss_sum;
+    c.schedule = static_cast<int64_t>(
+        step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
+                                          : step.schedule());
+    c.virtual_stages = step.virtual_stages();
+    c.reduction = static_cast<int64_t>(step.reduction());
+    return c;
   };
+  auto check_target = [&](int64_t batch) {
+    TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == batch,
+                "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
+                batch, ") along dim 0, got ",
+                target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
+    TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
+  };
+  auto detach = [](const std::vector<Input>& in) {
+    std::vector<Input> detached;
+    for (const auto& x : in) {
+      Input d(x.tensor.detach());
+      d.batched = x.batched;
+      detached.push_back(d);
+    }
+    return detached;
+  };
+  if (distributed()) {
+    return guarded("train_step", [&] {
+      return across("train_step", [&](detail::RemoteCall& call) {
+        check_grad_mode("train_step");
+        if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
+          check_checkpointable("train_step");
+        }
+        const auto info = agree(call, "train_step", describe);
+        if (call.last()) check_target(info.batch);
+        const std::vector<Input> none;
+        return step_items(call.first() ? inputs : none, call.first() ? detach(inputs) : none,
+                          call.last() ? target.detach() : at::Tensor(), loss_fn, info,
+                          self.options.worker_threads(), &call);
+      });
+    });
+  }
+  const detail::CallInfo info = [&] {
+    auto c = describe();
+    check_target(c.batch);
+    check_grad_mode("train_step");
+    return c;
+  }();
+  bool any_grad = false;
+  for (const auto& in : inputs) any_grad |= in.tensor.requires_grad();
   return guarded("train_step", [&] {
     if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
       check_checkpointable("train_step");
     }
-    std::vector<Input> detached;
-    for (const auto& in : inputs) {
-      Input d(in.tensor.detach());
-      d.batched = in.batched;
-      detached.push_back(d);
+    const std::vector<Input> detached = detach(inputs);
+    const bool graphed = graphable_call && inputs.size() == 1 && !any_grad;
+    if (!graphed) {
+      return step_items(inputs, detached, target.detach(), loss_fn, info,
+                        self.options.worker_threads(), nullptr);
     }
     GraphKey key;
-    const bool graphed = graphable_call && inputs.size() == 1 && !any_grad;
-    if (graphed) {
-      key.method = "train_step";
-      key.items = rows;
-      key.schedule = static_cast<int>(step.schedule());
-      key.reduction = static_cast<int>(step.reduction());
-      key.input_sizes = inputs[0].tensor.sizes().vec();
-      key.input_dtype = inputs[0].tensor.scalar_type();
-      key.target_sizes = target.sizes().vec();
-      key.target_dtype = target.scalar_type();
-      key.training = self.is_training();
-    } else {
-      return eager(detached, target.detach(), self.options.worker_threads());
-    }
+    key.method = "train_step";
+    key.items = info.rows;
+    key.schedule = static_cast<int>(step.schedule());
+    key.reduction = static_cast<int>(step.reduction());
+    key.input_sizes = inputs[0].tensor.sizes().vec();
+    key.input_dtype = inputs[0].tensor.scalar_type();
+    key.target_sizes = target.sizes().vec();
+    key.target_dtype = target.scalar_type();
+    key.training = self.is_training();
     return run_step(key, graphed, detached[0].tensor, target.detach(),
                     [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
-                      return eager({x}, y, threaded);
+                      Input d(x);
+                      return step_items({d}, {d}, y, loss_fn, info, threaded, nullptr);
                     });
   });
 }

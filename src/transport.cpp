@@ -9,14 +9,20 @@
 namespace mpipe {
 namespace detail {
 
-LocalTransport::LocalTransport(const std::vector<StagePlace>& stages, bool blocking,
-                               Recorder* recorder)
-    : stages_(stages), blocking_(blocking), recorder_(recorder), arrived_(stages.size() + 1) {}
+LocalTransport::LocalTransport(const std::vector<StagePlace>& stages, int64_t first,
+                               bool blocking, Recorder* recorder,
+                               std::chrono::milliseconds timeout)
+    : stages_(stages),
+      first_(first),
+      blocking_(blocking),
+      recorder_(recorder),
+      timeout_(timeout),
+      arrived_(stages.size() + 1) {}
 
 void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors values) {
-  Parcel parcel{std::move(values), nullptr};
+  Parcel parcel{std::move(values), nullptr, from};
   if (from >= 0) {
-    const StagePlace& producer = stages_[static_cast<size_t>(from)];
+    const StagePlace& producer = place(from);
     if (producer.compute) parcel.ready = record_event(*producer.compute);
   }
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
@@ -29,8 +35,36 @@ void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors valu
   if (key.kind == Key::Skip) {
     for (auto& cv : arrived_) cv.notify_all();
   } else {
-    arrived_[static_cast<size_t>(to)].notify_all();
+    arrived_[slot(to)].notify_all();
   }
+}
+
+void LocalTransport::deposit(int64_t from, int64_t to, const Key& key, Tensors values) {
+  const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool fresh = parcels_.emplace(where, Parcel{std::move(values), nullptr, from}).second;
+  TORCH_CHECK(fresh, "mpipe: ", key.kind == Key::Skip ? "skip '" + key.name + "'" : "a message",
+              " of item ", key.item, " arrived twice from stage ", from);
+  for (auto& cv : arrived_) cv.notify_all();
+}
+
+std::vector<LocalTransport::Held> LocalTransport::take_skips(int64_t item) {
+  std::vector<Held> out;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = parcels_.begin(); it != parcels_.end();) {
+    if (it->first.first == -1 && it->first.second.kind == Key::Skip &&
+        it->first.second.item == item) {
+      if (it->second.ready) {  // the host copy that sends it runs on this thread's current stream
+        const auto& e = *it->second.ready;
+        e.block(current_stream(c10::Device(e.device_type(), e.device_index())));
+      }
+      out.push_back({it->first.second, it->second.from, std::move(it->second.values)});
+      it = parcels_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
 }
 
 Tensors LocalTransport::receive(int64_t to, const Key& key) {
@@ -38,11 +72,25 @@ Tensors LocalTransport::receive(int64_t to, const Key& key) {
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (blocking_) {
-      arrived_[static_cast<size_t>(to)].wait(
-          lock, [&] { return aborted_ || parcels_.count(where) > 0; });
+    auto ready = [&] { return aborted_ || !failure_.empty() || parcels_.count(where) > 0; };
+    if (blocking_ && timeout_.count() > 0) {
+      const auto wait = patience ? patience(to, key) : timeout_;
+      const bool arrived = arrived_[slot(to)].wait_for(lock, wait, ready);
+      TORCH_CHECK(arrived, "nothing arrived from ",
+                  sender_of ? sender_of(to, key) : std::string("another rank"),
+                  " within ", (patience ? patience(to, key) : timeout_).count() / 1000.0,
+                  " s (the group's timeout, plus grace by pipeline position): stage ", to,
+                  " waited for ",
+                  key.kind == Key::Activation  ? "its inputs"
+                  : key.kind == Key::Gradient  ? "the gradients of its outputs"
+                  : key.kind == Key::Skip      ? "skip '" + key.name + "'"
+                                               : "the gradient of skip '" + key.name + "'",
+                  " of item ", key.item);
+    } else if (blocking_) {
+      arrived_[slot(to)].wait(lock, ready);
     }
     if (aborted_) throw Aborted{};
+    TORCH_CHECK(failure_.empty(), failure_);
     auto it = parcels_.find(where);
     TORCH_INTERNAL_ASSERT(it != parcels_.end(), "mpipe: the schedule delivered no input");
     parcel = std::move(it->second);
@@ -56,6 +104,12 @@ void LocalTransport::abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     aborted_ = true;
   }
+  for (auto& cv : arrived_) cv.notify_all();
+}
+
+void LocalTransport::fail(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_.empty()) failure_ = why;
   for (auto& cv : arrived_) cv.notify_all();
 }
 
@@ -85,7 +139,7 @@ Tensors LocalTransport::accept(int64_t to, int64_t item, Tensors values,
 // No host sync happens on an all-GPU pipeline. Copies are timeline tasks.
 at::Tensor LocalTransport::move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready,
                                 int64_t to, int64_t item) const {
-  const StagePlace& stage = stages_[static_cast<size_t>(to)];
+  const StagePlace& stage = place(to);
   const c10::Device src = value.device();
   if (src == stage.device) {
     if (stage.compute) {

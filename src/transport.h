@@ -8,8 +8,10 @@
 #include <c10/core/Stream.h>
 #include <c10/util/Optional.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,14 +76,37 @@ class Transport {
 /// Stages in one process: per-stage streams, events and record_stream.
 class LocalTransport : public Transport {
  public:
-  /// `blocking`: receive waits for a send (threaded calls); otherwise the
-  /// schedule's order guarantees that it came first. Copies are recorded on
-  /// `recorder` when it is set.
-  LocalTransport(const std::vector<StagePlace>& stages, bool blocking, Recorder* recorder);
+  /// `stages` are global stages first, first + 1, ... (first > 0 when other
+  /// ranks hold the stages before). `blocking`: receive waits for a send
+  /// (threaded calls, and calls across processes); otherwise the schedule's
+  /// order guarantees that it came first. A blocking receive gives up after
+  /// `timeout` (0: never). Copies are recorded on `recorder` when it is set.
+  LocalTransport(const std::vector<StagePlace>& stages, int64_t first, bool blocking,
+                 Recorder* recorder, std::chrono::milliseconds timeout = {});
 
   void send(int64_t from, int64_t to, const Key& key, Tensors values) override;
   Tensors receive(int64_t to, const Key& key) override;
   void abort() override;
+
+  /// Values for stage `to` (or, for a skip, any stage) from another process,
+  /// on the host; `from` is the stage that sent them (the stasher, for a skip).
+  void deposit(int64_t from, int64_t to, const Key& key, Tensors values);
+  /// Another process failed: every receive, waiting or not, throws a
+  /// c10::Error saying `why`.
+  void fail(const std::string& why);
+  /// A skip parcel still here: the one an item's boundary hand-off takes
+  /// along to the next process.
+  struct Held {
+    Key key;
+    int64_t from;
+    Tensors values;  // on the host or ready on their device
+  };
+  std::vector<Held> take_skips(int64_t item);
+  /// Across processes: who should have sent `key` to stage `to` ("rank 2
+  /// (stage 4)"), for the message of a receive that timed out.
+  std::function<std::string(int64_t to, const Key& key)> sender_of;
+  /// Across processes: how long a receive of `key` waits (else the timeout).
+  std::function<std::chrono::milliseconds(int64_t to, const Key& key)> patience;
 
   /// The caller's `values`, ready once `ready` (recorded on the caller's
   /// stream; null for host values) fires, made usable by stage `to`.
@@ -92,13 +117,20 @@ class LocalTransport : public Transport {
   struct Parcel {
     Tensors values;
     std::shared_ptr<c10::Event> ready;  // null: ready on the host
+    int64_t from = -1;                  // the sending stage
   };
+  const StagePlace& place(int64_t stage) const {
+    return stages_[static_cast<size_t>(stage - first_)];
+  }
+  size_t slot(int64_t to) const { return static_cast<size_t>(to - first_); }
   at::Tensor move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready, int64_t to,
                   int64_t item) const;
 
   const std::vector<StagePlace>& stages_;
+  const int64_t first_;
   const bool blocking_;
   Recorder* const recorder_;
+  const std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   /// One per receiving stage, so a send wakes only the stage it is for (the
   /// last one is for skips, which any later stage may pop).
@@ -106,6 +138,7 @@ class LocalTransport : public Transport {
   /// By receiving stage (-1 for skips: whichever stage pops them) and key.
   std::map<std::pair<int64_t, Key>, Parcel> parcels_;
   bool aborted_ = false;
+  std::string failure_;  // another process failed (fail())
 };
 
 }  // namespace detail

@@ -159,6 +159,9 @@ int main(int argc, char** argv) {
       setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      // As torchrun: one intra-op thread per rank unless the user chose, so
+      // N ranks do not oversubscribe the cores.
+      if (n > 1) setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
       execvp(argv[split + 1], argv + split + 1);
       std::fprintf(stderr, "mpipe-launch: cannot run %s: %s\n", argv[split + 1],
                    std::strerror(errno));

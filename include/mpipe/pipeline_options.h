@@ -3,6 +3,7 @@
 // Options of mpipe::ModelPipeline, in the style of torch::nn's options structs.
 
 #include <mpipe/checkpoint.h>
+#include <mpipe/distributed.h>
 
 #include <torch/arg.h>
 
@@ -36,6 +37,11 @@ struct ModelPipelineOptions {
   /// the start of each call and read it at the end, for memory_report(). The
   /// counters are process-wide: leave this off if other code reads them.
   TORCH_ARG(bool, track_memory) = false;
+  /// The process group the pipeline spans (mpipe/distributed.h): each rank
+  /// appends its own contiguous range of the stages, and every rank makes the
+  /// same calls. Undefined (the default): the pipeline lives in this process.
+  /// Set it before the first call; calls then never run as CUDA graphs.
+  TORCH_ARG(distributed::ProcessGroup, process_group);
 };
 
 }  // namespace mpipe

@@ -1,0 +1,110 @@
+#pragma once
+
+// Pipelines across processes and machines, on c10d (PyTorch's distributed
+// backend): the process group a ModelPipeline spans.
+//
+//   auto group = mpipe::distributed::init_from_env();   // torchrun / mpipe-launch
+//   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group));
+//   auto [begin, end] = group.stage_range(4);            // this rank's stages of 4
+//   for (int64_t s = begin; s < end; ++s) pipe->append(make_stage(s), device);
+//   at::Tensor out = pipe->forward(x, 8);  // x read on the first rank; out on the last
+//
+// Every rank runs the same program and makes the same pipeline calls in the
+// same order. Each rank appends a contiguous range of the stages (one or
+// more, on its own devices); ranks are ordered along the pipeline by
+// pipeline_rank(). The first rank's inputs are the call's inputs (other
+// ranks' are ignored and may be undefined); the last rank's target is the
+// step's target. The last rank gets the outputs (forward-type calls) or the
+// loss (training steps); every other rank gets an undefined tensor (an empty
+// Tensors from the overloads taking std::vector<Input>). docs/distributed.md
+// has the protocol, the failure rules and the launch commands.
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace mpipe {
+namespace distributed {
+
+enum class Backend {
+  /// NCCL for CUDA tensors where this LibTorch has it and CUDA is available,
+  /// Gloo otherwise; the environment variable MPIPE_BACKEND=gloo|nccl overrides it.
+  Auto,
+  Gloo,
+  NCCL,
+};
+
+/// "Auto", "Gloo" or "NCCL".
+const char* to_string(Backend backend);
+
+struct GroupOptions {
+  TORCH_ARG(Backend, backend) = Backend::Auto;
+  /// The longest any rank waits for another: at the rendezvous, and during a
+  /// call for the next message from a peer it is connected to. A rank that
+  /// dies or stalls makes the others fail within it (plus a few seconds).
+  /// Make it longer than the slowest stage's work in one call.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// Data-parallel replicas R of the pipeline: the world's W ranks form R
+  /// pipelines of S = W / R ranks each. Rank r is pipeline rank r / R of
+  /// replica r % R, so the R replicas of a stage are neighbours (on one node
+  /// under torchrun's numbering) and pipeline neighbours are R ranks apart.
+  TORCH_ARG(int64_t, replicas) = 1;
+};
+
+/// A handle to a process group (copies share it). Default-constructed: none,
+/// the pipeline runs in this process only.
+class ProcessGroup {
+ public:
+  ProcessGroup() = default;
+  bool defined() const noexcept { return impl_ != nullptr; }
+
+  int64_t rank() const;
+  int64_t world_size() const;
+  /// Data parallelism: the number of replicas and this rank's replica.
+  int64_t replicas() const;
+  int64_t replica() const;
+  /// This rank's place along its pipeline, and the pipeline's rank count.
+  int64_t pipeline_rank() const;
+  int64_t pipeline_size() const;
+  bool is_first() const { return pipeline_rank() == 0; }
+  bool is_last() const { return pipeline_rank() + 1 == pipeline_size(); }
+  /// The backend for CUDA tensors (Gloo carries the messages' headers and CPU
+  /// tensors in every case).
+  Backend backend() const;
+  std::chrono::milliseconds timeout() const;
+
+  /// The stages [first, end) of `n_stages` this rank holds when they are
+  /// split into pipeline_size() contiguous ranges, the first ranges one
+  /// stage longer when they do not divide evenly.
+  std::pair<int64_t, int64_t> stage_range(int64_t n_stages) const;
+  /// `path` with ".rank<r>" before its extension ("model.pt" ->
+  /// "model.rank1.pt"): where each rank saves and loads its stages.
+  std::string rank_path(const std::string& path) const;
+  /// Returns once every rank of the world has called it.
+  void barrier() const;
+
+  struct Impl;
+  const std::shared_ptr<Impl>& impl() const noexcept { return impl_; }
+  explicit ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Whether this build of mpipe has c10d (else init() and init_from_env() throw).
+bool available();
+
+/// Joins the world described by torchrun's variables: RANK, WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT (mpipe-launch sets them too). Rank 0 hosts the
+/// rendezvous (a c10d TCPStore on MASTER_PORT).
+ProcessGroup init_from_env(GroupOptions options = {});
+/// Joins a world of `world_size` ranks as `rank`, meeting at master_addr:master_port.
+ProcessGroup init(int64_t rank, int64_t world_size, const std::string& master_addr,
+                  int master_port, GroupOptions options = {});
+
+}  // namespace distributed
+}  // namespace mpipe

@@ -1,0 +1,447 @@
+// Pipelines across processes (Gloo over 127.0.0.1): every rank runs this
+// program under mpipe-launch (tests/CMakeLists.txt), builds the same model,
+// computes the plain single-process reference itself, and checks what its own
+// stages produced: outputs and losses on the last rank, gradients on every
+// rank, errors on all of them.
+//
+//   mpipe-launch -n 3 --timeout 300 -- ./mpipe_dist_tests [--replicas=R] [gtest flags]
+
+#include "../common.h"
+
+#include <mpipe/distributed.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace {
+
+mpipe::distributed::ProcessGroup g_group;
+
+const mpipe::distributed::ProcessGroup& group() { return g_group; }
+
+using Stages = std::vector<torch::nn::Sequential>;
+
+/// n stages of width w (Linear + Tanh), the last one narrowing to 3 outputs.
+Stages make_model(int64_t n, int64_t w = 6, uint64_t seed = 7) {
+  torch::manual_seed(seed);
+  Stages stages;
+  for (int64_t s = 0; s < n; ++s) {
+    torch::nn::Sequential seq;
+    seq->push_back(torch::nn::Linear(w, s + 1 == n ? 3 : w));
+    seq->push_back(torch::nn::Tanh());
+    seq->to(torch::kDouble);
+    stages.push_back(seq);
+  }
+  return stages;
+}
+
+torch::nn::Sequential copy(const torch::nn::Sequential& s) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s->clone()));
+}
+
+/// This rank's pipeline over its range of `stages` (copies).
+mpipe::ModelPipeline make_pipe(const Stages& stages, mpipe::ModelPipelineOptions options = {}) {
+  options.process_group(group());
+  mpipe::ModelPipeline pipe(options);
+  const auto range = group().stage_range(static_cast<int64_t>(stages.size()));
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(copy(stages[static_cast<size_t>(s)]), "cpu");
+  }
+  return pipe;
+}
+
+at::Tensor plain(const Stages& stages, at::Tensor x) {
+  for (auto s : stages) x = s->forward(x);
+  return x;
+}
+
+/// The input: the same on every rank (only the first rank's is read).
+at::Tensor input(int64_t rows, int64_t w = 6, uint64_t seed = 11) {
+  torch::manual_seed(seed);
+  return torch::randn({rows, w}, torch::kDouble);
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what;
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(torch::allclose(got, want, 1e-10, 1e-12))
+      << what << ": max difference " << (got - want).abs().max().item<double>();
+}
+
+/// Every local stage's gradients against the reference stage's.
+void expect_same_grads(const mpipe::ModelPipeline& pipe, const Stages& reference,
+                       const std::string& what) {
+  const int64_t first = group().stage_range(static_cast<int64_t>(reference.size())).first;
+  for (size_t k = 0; k < pipe->size(); ++k) {
+    const auto got = pipe->stage(k)->parameters();
+    const auto want = reference[static_cast<size_t>(first) + k]->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t p = 0; p < got.size(); ++p) {
+      ASSERT_TRUE(want[p].grad().defined());
+      expect_close(got[p].grad(), want[p].grad(),
+                   what + ", stage " + std::to_string(first + static_cast<int64_t>(k)) +
+                       ", parameter " + std::to_string(p));
+    }
+  }
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+bool skip_unless_one_replica() { return group().replicas() != 1; }
+
+}  // namespace
+
+TEST(Distributed, ForwardEqualsThePlainModelAndShapesMayChange) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const auto stages = make_model(group().pipeline_size() + 1);
+  auto pipe = make_pipe(stages);
+  torch::NoGradGuard no_grad;
+  for (int64_t rows : {7, 12, 1}) {  // a new batch size every call
+    const at::Tensor x = input(rows);
+    const at::Tensor out = pipe->forward(group().is_first() ? x : at::Tensor(), 3);
+    if (group().is_last()) {
+      expect_close(out, plain(stages, x), "forward, rows " + std::to_string(rows));
+    } else {
+      EXPECT_FALSE(out.defined()) << "ranks before the last get an undefined tensor";
+    }
+  }
+}
+
+TEST(Distributed, TimeStepCallsEqualAPlainLoop) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const auto stages = make_model(group().pipeline_size());
+  auto pipe = make_pipe(stages, mpipe::ModelPipelineOptions().worker_threads(false));
+  torch::NoGradGuard no_grad;
+  const at::Tensor x = input(4);
+  at::Tensor sum = plain(stages, x) * 5;
+  const at::Tensor c = pipe->constant_forward(x, 5, true);
+  const at::Tensor seq = torch::randn({6, 4, 6}, torch::kDouble);
+  std::vector<at::Tensor> steps;
+  for (int64_t t = 0; t < 6; ++t) steps.push_back(plain(stages, seq[t]));
+  const at::Tensor s = pipe->sequence_forward(seq, false);
+  if (group().is_last()) {
+    expect_close(c, sum, "constant_forward");
+    expect_close(s, torch::stack(steps), "sequence_forward");
+  } else {
+    EXPECT_FALSE(c.defined());
+    EXPECT_FALSE(s.defined());
+  }
+}
+
+TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t ranks = group().pipeline_size();
+  const at::Tensor x = input(10);
+  torch::manual_seed(3);
+  const at::Tensor y = torch::randn({10, 3}, torch::kDouble);
+  for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
+                        mpipe::Schedule::Interleaved1F1B, mpipe::Schedule::ZeroBubbleH1,
+                        mpipe::Schedule::Auto}) {
+    for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
+                            mpipe::Checkpoint::Always}) {
+      for (bool threads : {true, false}) {
+        const bool interleaved = schedule == mpipe::Schedule::Interleaved1F1B;
+        const auto stages = make_model(interleaved ? 2 * ranks : ranks + 1);
+        auto reference = make_model(static_cast<int64_t>(stages.size()));
+        auto pipe = make_pipe(stages, mpipe::ModelPipelineOptions()
+                                          .worker_threads(threads)
+                                          .checkpoint(checkpoint));
+        const std::string what = std::string(mpipe::to_string(schedule)) + ", checkpoint " +
+                                 std::to_string(static_cast<int>(checkpoint)) +
+                                 (threads ? ", threads" : ", inline");
+        auto step = mpipe::TrainStepOptions(3).schedule(schedule);
+        if (interleaved) step.virtual_stages(2);
+        const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
+                                                 group().is_last() ? y : at::Tensor(), mse, step);
+        const at::Tensor want = mse(plain(reference, x), y);
+        want.backward();
+        if (group().is_last()) {
+          expect_close(loss, want.detach(), what + ": loss");
+        } else {
+          EXPECT_FALSE(loss.defined()) << what;
+        }
+        expect_same_grads(pipe, reference, what);
+      }
+    }
+  }
+}
+
+TEST(Distributed, InputGradientsReachTheFirstRank) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const auto stages = make_model(group().pipeline_size());
+  auto reference = make_model(group().pipeline_size());
+  auto pipe = make_pipe(stages);
+  const at::Tensor x = input(6).requires_grad_(true);
+  const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  const at::Tensor y = torch::ones({6, 3}, torch::kDouble);
+  pipe->train_step(x, y, mse, mpipe::TrainStepOptions(2));
+  mse(plain(reference, x_ref), y).backward();
+  if (group().is_first()) {
+    expect_close(x.grad(), x_ref.grad(), "the input's gradient");
+  } else {
+    EXPECT_FALSE(x.grad().defined()) << "only the first rank's input is the call's";
+  }
+}
+
+namespace {
+/// Stage s of a pipeline whose stage 0 stashes its input and whose last
+/// stage adds it back (a skip across every rank boundary).
+struct SkipStageImpl : torch::nn::Module {
+  SkipStageImpl(int64_t s, int64_t n) : s(s), n(n) {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    fc->to(torch::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (s == 0) mpipe::stash("skip", x * 2);
+    at::Tensor h = torch::tanh(fc(x));
+    if (s + 1 == n) h = h + mpipe::pop("skip");
+    return h;
+  }
+  int64_t s, n;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(SkipStage);
+}  // namespace
+
+TEST(Distributed, SkipsCrossRanksBothWays) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size() + 1;
+  auto build = [&] {
+    torch::manual_seed(5);
+    std::vector<SkipStage> v;
+    for (int64_t s = 0; s < n; ++s) v.emplace_back(s, n);
+    return v;
+  };
+  const auto reference = build();
+  const auto mine = build();
+  const at::Tensor x = input(8);
+  const at::Tensor y = torch::zeros({8, 6}, torch::kDouble);
+  at::Tensor h = x;
+  for (auto s : reference) h = s->forward(h);  // outside a pipeline: the thread's store
+  const at::Tensor want = mse(h, y);
+  want.backward();
+  for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+    mpipe::ModelPipeline pipe(
+        mpipe::ModelPipelineOptions().process_group(group()).checkpoint(checkpoint));
+    const auto range = group().stage_range(n);
+    for (int64_t s = range.first; s < range.second; ++s) {
+      pipe->append(mine[static_cast<size_t>(s)], "cpu");
+    }
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    {
+      torch::NoGradGuard no_grad;
+      const at::Tensor out = pipe->forward(x, 3);
+      if (group().is_last()) expect_close(out, h.detach(), "forward with a skip");
+    }
+    const at::Tensor loss = pipe->train_step(x, y, mse, mpipe::TrainStepOptions(4));
+    if (group().is_last()) expect_close(loss, want.detach(), "train_step with a skip: loss");
+    for (int64_t s = range.first; s < range.second; ++s) {
+      const auto got = mine[static_cast<size_t>(s)]->parameters();
+      const auto ref = reference[static_cast<size_t>(s)]->parameters();
+      for (size_t p = 0; p < got.size(); ++p) {
+        expect_close(got[p].grad(), ref[p].grad(), "train_step with a skip: stage " +
+                                                       std::to_string(s) + " gradient");
+      }
+    }
+  }
+}
+
+namespace {
+/// Throws on micro-batch `bad` when armed (on the rank that holds it).
+struct FlakyImpl : torch::nn::Module {
+  explicit FlakyImpl(int64_t stage) : stage(stage) {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    fc->to(torch::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (armed && ++seen == 2) throw std::runtime_error("flaky stage broke");
+    return torch::tanh(fc(x));
+  }
+  int64_t stage;
+  bool armed = false;
+  int64_t seen = 0;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Flaky);
+}  // namespace
+
+TEST(Distributed, AnErrorOnOneRankFailsEveryRankAndThePipelineStaysUsable) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size();
+  const int64_t bad = n - 1;  // the last rank's stage fails
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  torch::manual_seed(1);
+  std::vector<Flaky> stages;
+  for (int64_t s = 0; s < n; ++s) stages.emplace_back(s);
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(stages[static_cast<size_t>(s)], "cpu");
+  }
+  stages[static_cast<size_t>(bad)]->armed = true;
+  const at::Tensor x = input(8);
+  const at::Tensor y = torch::zeros({8, 6}, torch::kDouble);
+  try {
+    pipe->train_step(x, y, mse, mpipe::TrainStepOptions(2));
+    ADD_FAILURE() << "the step should fail on every rank";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("flaky stage broke"), std::string::npos) << what;
+    EXPECT_NE(what.find("stage " + std::to_string(bad)), std::string::npos) << what;
+    EXPECT_NE(what.find("micro-batch 1"), std::string::npos) << what;
+    if (!group().is_last()) {
+      EXPECT_NE(what.find("rank " + std::to_string(group().pipeline_size() - 1) + " failed"),
+                std::string::npos)
+          << what;
+    }
+  }
+  // Bad arguments on the first rank fail every rank too.
+  try {
+    torch::NoGradGuard no_grad;
+    pipe->forward(x, 0);
+    ADD_FAILURE() << "split_size 0 should fail on every rank";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("split_size must be positive"), std::string::npos)
+        << e.what();
+  }
+  // And the next call works.
+  stages[static_cast<size_t>(bad)]->armed = false;
+  torch::NoGradGuard no_grad;
+  const at::Tensor out = pipe->forward(x, 4);
+  if (group().is_last()) {
+    at::Tensor h = x;
+    for (auto s : stages) h = s->forward(h);
+    expect_close(out, h, "forward after the errors");
+  }
+}
+
+TEST(Distributed, EachRankSavesAndLoadsItsStages) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const auto stages = make_model(group().pipeline_size());
+  auto pipe = make_pipe(stages);
+  const std::string path =
+      group().rank_path(testing::TempDir() + "mpipe_dist_" + std::to_string(::getppid()) + ".pt");
+  EXPECT_NE(path.find(".rank" + std::to_string(group().rank())), std::string::npos) << path;
+  torch::save(pipe, path);
+  auto other = make_pipe(make_model(group().pipeline_size(), 6, 99));
+  torch::load(other, path);
+  std::remove(path.c_str());
+  torch::NoGradGuard no_grad;
+  const at::Tensor x = input(5);
+  const at::Tensor out = other->forward(x, 2);
+  if (group().is_last()) expect_close(out, plain(stages, x), "after load");
+}
+
+TEST(Distributed, ReplicasTrainLikeOneProcessOnTheWholeBatch) {
+  if (group().replicas() == 1) GTEST_SKIP() << "needs --replicas=R > 1";
+  const int64_t r = group().replicas();
+  const auto stages = make_model(group().pipeline_size() + 1);
+  auto reference = make_model(static_cast<int64_t>(stages.size()));
+  auto pipe = make_pipe(stages);
+  const at::Tensor x = input(6 * r);
+  torch::manual_seed(4);
+  const at::Tensor y = torch::randn({6 * r, 3}, torch::kDouble);
+  const int64_t mine = group().replica();
+  for (auto reduction : {mpipe::LossReduction::Mean, mpipe::LossReduction::Sum}) {
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    for (auto& s : reference) s->zero_grad();
+    const bool mean = reduction == mpipe::LossReduction::Mean;
+    auto loss_fn = [mean](const at::Tensor& out, const at::Tensor& t) {
+      return torch::mse_loss(out, t, mean ? at::Reduction::Mean : at::Reduction::Sum);
+    };
+    const at::Tensor loss = pipe->train_step(
+        x.narrow(0, 6 * mine, 6), y.narrow(0, 6 * mine, 6), loss_fn,
+        mpipe::TrainStepOptions(2).reduction(reduction).schedule(
+            mpipe::Schedule::OneFOneB));
+    const at::Tensor want = loss_fn(plain(reference, x), y);
+    want.backward();
+    if (group().is_last()) expect_close(loss, want.detach(), "replicated loss");
+    expect_same_grads(pipe, reference, mean ? "replicas, mean" : "replicas, sum");
+  }
+}
+
+// Fault drills: run one at a time (tests/CMakeLists.txt) with a short timeout.
+// MPIPE_TEST_FAULT=die|stall picks what the last rank does at its second
+// micro-batch; the other ranks must fail within the timeout plus a few seconds.
+TEST(Faults, ALostRankFailsTheOthers) {
+  const char* fault = std::getenv("MPIPE_TEST_FAULT");
+  if (!fault) GTEST_SKIP() << "set MPIPE_TEST_FAULT=die|stall";
+  const std::string kind = fault;
+  const int64_t n = group().pipeline_size();
+  struct DrillImpl : torch::nn::Module {
+    DrillImpl(bool armed, std::string kind) : armed(armed), kind(std::move(kind)) {
+      fc = register_module("fc", torch::nn::Linear(6, 6));
+      fc->to(torch::kDouble);
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      if (armed && ++seen == 2) {
+        if (kind == "die") std::_Exit(0);  // 0: the launcher leaves the others to notice
+        std::this_thread::sleep_for(g_group.timeout() + std::chrono::seconds(15));
+        std::_Exit(0);
+      }
+      return fc(x);
+    }
+    bool armed;
+    std::string kind;
+    int64_t seen = 0;
+    torch::nn::Linear fc{nullptr};
+  };
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(std::make_shared<DrillImpl>(s == n - 1, kind), "cpu");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    pipe->train_step(input(8), torch::zeros({8, 6}, torch::kDouble), mse,
+                     mpipe::TrainStepOptions(2));
+    ADD_FAILURE() << "the step should fail";
+  } catch (const c10::Error& e) {
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("fault drill: failed after %.1f s: %s\n", took, e.what_without_backtrace());
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("rank " + std::to_string(n - 1)), std::string::npos) << what;
+    EXPECT_NE(what.find("stage"), std::string::npos) << what;
+    EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
+    EXPECT_LT(took, group().timeout().count() / 1000.0 + 5 + 0.5 * n) << what;
+  }
+  std::fflush(stdout);
+  // The drill's rank is dead or asleep: leave without the group's teardown.
+  std::_Exit(::testing::UnitTest::GetInstance()->current_test_info()->result()->Passed() ? 0 : 1);
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  int64_t replicas = 1;
+  double timeout_s = 60;
+  for (int k = 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
+    if (a.rfind("--timeout=", 0) == 0) timeout_s = std::stod(a.substr(10));
+  }
+  if (!mpipe::distributed::available()) {
+    std::printf("mpipe was built without c10d: nothing to test\n");
+    return 0;
+  }
+  g_group = mpipe::distributed::init_from_env(
+      mpipe::distributed::GroupOptions().replicas(replicas).timeout(
+          std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))));
+  std::printf("rank %lld of %lld: pipeline rank %lld of %lld, replica %lld of %lld\n",
+              static_cast<long long>(g_group.rank()), static_cast<long long>(g_group.world_size()),
+              static_cast<long long>(g_group.pipeline_rank()),
+              static_cast<long long>(g_group.pipeline_size()),
+              static_cast<long long>(g_group.replica()), static_cast<long long>(g_group.replicas()));
+  const int rc = RUN_ALL_TESTS();
+  try {
+    g_group.barrier();  // nobody tears the group down while another still uses it
+  } catch (const std::exception& e) {
+    std::printf("the closing barrier failed: %s\n", e.what());
+    return 1;
+  }
+  g_group = {};  // torn down here, not among the static destructors
+  std::printf("rank teardown done\n");
+  return rc;
+}
