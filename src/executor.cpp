@@ -550,7 +550,7 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   run->transport = run->local.get();
   if (call.remote) {
     run->remote = std::make_unique<RemoteTransport>(
-        *run->local, *call.remote, first_, first_ + n_local, run->skips,
+        *run->local, *call.remote, first_, first_ + n_local, &run->skips,
         [r = run.get()](std::exception_ptr e) { r->fail(std::move(e)); });
     run->transport = run->remote.get();
   }

@@ -120,6 +120,11 @@ struct ModelPipelineImpl::State {
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                      bool)>& eager);
   void check_checkpointable(const char* method) const;
+  /// constant_train_step across processes (Note [constant_train_step across
+  /// processes] in train_steps.cpp).
+  at::Tensor constant_step_across(detail::RemoteCall& call, const std::vector<Input>& inputs,
+                                  int64_t T, const at::Tensor& target,
+                                  const LossFunction& loss_fn);
 };
 
 template <typename F>

@@ -144,7 +144,7 @@ void RemoteCall::deliver(int64_t peer, WireMessage m) {
       changed_.notify_all();
       return;
     }
-    if (phase_ == Before) {
+    if (phase_ == Waiting) {
       early_.emplace_back(peer, std::move(m));
       return;
     }
@@ -192,13 +192,18 @@ void RemoteCall::detach() {
   // The transport dies with the executor's call: wait out the hand-offs in
   // flight on the receiving threads.
   std::unique_lock<std::mutex> lock(mutex_);
-  phase_ = After;
+  if (phase_ == Attached) phase_ = Waiting;
   transport_ = nullptr;
   changed_.wait(lock, [&] { return busy_ == 0; });
 }
 
 std::string RemoteCall::finish(const std::string& error, const char* method) {
   detach();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    phase_ = After;
+    early_.clear();
+  }
   bool failing = !error.empty();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -220,7 +225,7 @@ std::string RemoteCall::finish(const std::string& error, const char* method) {
 }
 
 RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& call, int64_t first,
-                                 int64_t end, SkipTable& skips,
+                                 int64_t end, SkipTable* skips,
                                  std::function<void(std::exception_ptr)> fail)
     : local_(local), call_(call), first_(first), end_(end), skips_(skips), fail_(std::move(fail)) {
   local_.sender_of = [this](int64_t to, const Key& key) -> std::string {
@@ -277,12 +282,22 @@ void RemoteTransport::send(int64_t from, int64_t to, const Key& key, Tensors val
     return;
   }
   // The sending stage's stream is current: the host copy in post() waits for it.
+  RemoteCall::Boundary& b = call_.boundary;
+  const bool record = key.kind == Key::Activation && b.record;
   if (key.kind == Key::Activation) {
     for (auto& held : local_.take_skips(key.item)) {
       post(held.from, to, held.key, held.values);
+      if (record) {
+        std::lock_guard<std::mutex> lock(b.mutex);
+        for (const auto& t : held.values) b.sent[key.item].push_back(t);
+      }
     }
   }
   post(from, to, key, values);
+  if (record) {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    for (const auto& t : values) b.sent[key.item].push_back(t);
+  }
 }
 
 void RemoteTransport::deliver(int64_t peer, WireMessage m) {
@@ -304,9 +319,21 @@ void RemoteTransport::deliver(int64_t peer, WireMessage m) {
       values = std::move(part.values);
       partial_.erase(where);
     }
+    RemoteCall::Boundary& b = call_.boundary;
+    if (b.record && (m.key.kind == Key::Activation || m.key.kind == Key::Skip)) {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      for (auto& t : values) {
+        if (t.defined() && (at::isFloatingType(t.scalar_type()) ||
+                            at::isComplexType(t.scalar_type()))) {
+          t.requires_grad_(true);  // a leaf: its gradient goes back to the sender
+        }
+        b.received[m.key.item].push_back(t);
+      }
+    }
     if (m.key.kind == Key::Skip) {
       TORCH_CHECK(values.size() == 1, "a skip parcel holds one tensor, got ", values.size());
-      skips_.stash(m.key.name, m.key.item, m.from);
+      TORCH_CHECK(skips_ != nullptr, "skip '", m.key.name, "' arrived after the forward pass");
+      skips_->stash(m.key.name, m.key.item, m.from);
       local_.deposit(m.from, -1, m.key, std::move(values));
     } else {
       TORCH_CHECK(local(m.stage), "a message for stage ", m.stage, " reached the rank of ",

@@ -8,6 +8,7 @@
 
 #include "mpipe/distributed.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -69,10 +70,22 @@ class RemoteCall {
   /// Another rank: the first rank's call, which must be `method` too.
   CallInfo await_call(const char* method);
 
-  /// The call's transport while the executor runs it; messages that came
-  /// before are handed to it now, those that come after are dropped.
+  /// The call's transport while the executor (or another phase of the call)
+  /// runs it; messages that came while none was attached are handed to it
+  /// now. Once the call finishes, what still comes is read and dropped.
   void attach(RemoteTransport* transport);
   void detach();
+
+  /// constant_train_step: the graph is cut where tensors cross ranks. With
+  /// `record` set, what each item sent to the next rank (graph attached) and
+  /// what it received from the previous one (made leaves that require grad)
+  /// are kept, in message order, for the backward pass across ranks.
+  struct Boundary {
+    std::mutex mutex;
+    std::atomic<bool> record{false};
+    std::map<int64_t, Tensors> sent, received;  // by item
+  };
+  Boundary boundary;
   void post(int64_t peer, WireMessage m) { link_->post(peer, std::move(m)); }
 
   /// Ends the call with every other rank (an Abort carrying `error` when this
@@ -90,10 +103,10 @@ class RemoteCall {
 
   std::mutex mutex_;
   std::condition_variable changed_;
-  enum { Before, Attached, After } phase_ = Before;
+  enum { Waiting, Attached, After } phase_ = Waiting;
   RemoteTransport* transport_ = nullptr;
   int64_t busy_ = 0;  // deliveries into transport_ in progress
-  std::vector<std::pair<int64_t, WireMessage>> early_;  // data before attach
+  std::vector<std::pair<int64_t, WireMessage>> early_;  // data while none is attached
   bool has_call_ = false;
   int64_t call_from_ = -1;
   CallInfo call_;
@@ -106,7 +119,7 @@ class RemoteCall {
 class RemoteTransport : public Transport {
  public:
   RemoteTransport(LocalTransport& local, RemoteCall& call, int64_t first, int64_t end,
-                  SkipTable& skips, std::function<void(std::exception_ptr)> fail);
+                  SkipTable* skips, std::function<void(std::exception_ptr)> fail);
 
   void send(int64_t from, int64_t to, const Key& key, Tensors values) override;
   Tensors receive(int64_t to, const Key& key) override { return local_.receive(to, key); }
@@ -123,7 +136,7 @@ class RemoteTransport : public Transport {
   LocalTransport& local_;
   RemoteCall& call_;
   const int64_t first_, end_;
-  SkipTable& skips_;
+  SkipTable* skips_;  // null: no skips in this phase
   std::function<void(std::exception_ptr)> fail_;
   std::mutex mutex_;  // guards partial_
   struct Partial {

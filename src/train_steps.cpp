@@ -378,12 +378,26 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
                                                          int64_t T, const at::Tensor& target,
                                                          const LossFunction& loss_fn,
                                                          bool graphable_call) {
-  detail::batch_size("constant_train_step", inputs, 0);
-  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
-              "must be positive, got ", T);
-  TORCH_CHECK(static_cast<bool>(loss_fn),
-              "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  if (!distributed()) {
+    detail::batch_size("constant_train_step", inputs, 0);
+    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
+                "must be positive, got ", T);
+    TORCH_CHECK(static_cast<bool>(loss_fn),
+                "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  }
   check_grad_mode("constant_train_step");
+  if (distributed()) {
+    return guarded("constant_train_step", [&] {
+      reset_states(self);
+      struct ResetAfter {
+        torch::nn::Module& m;
+        ~ResetAfter() { reset_states(m); }
+      } reset_after{self};
+      return across("constant_train_step", [&](detail::RemoteCall& call) {
+        return constant_step_across(call, inputs, T, target, loss_fn);
+      });
+    });
+  }
   const size_t last = devices.size() - 1;
   auto eager = [&](const Tensors& in, const at::Tensor& tgt, bool threaded) {
     detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
@@ -467,6 +481,125 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
                       return eager({x}, y, threaded);
                     });
   });
+}
+
+// Note [constant_train_step across processes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The T time steps run as in one process (one graph per rank, stateful
+// modules linking the steps), but the graph cannot cross a process: what an
+// item sends to the next rank is kept with its graph, and what arrives from
+// the previous rank becomes a leaf that requires grad (RemoteCall::Boundary).
+// Then the backward pass runs rank by rank from the last: the last rank
+// backpropagates the loss, every other rank waits for the gradients of what
+// it sent (one message per time step) and backpropagates them, and each rank
+// but the first sends its leaves' gradients back. The first rank's backward
+// reaches the caller's input.
+at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& call,
+                                                          const std::vector<Input>& inputs,
+                                                          int64_t T, const at::Tensor& target,
+                                                          const LossFunction& loss_fn) {
+  const auto info = agree(call, "constant_train_step", [&] {
+    detail::batch_size("constant_train_step", inputs, 0);
+    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time "
+                "steps) must be positive, got ", T);
+    detail::CallInfo c;
+    c.n_items = T;
+    return c;
+  });
+  if (call.last()) {
+    TORCH_CHECK(static_cast<bool>(loss_fn),
+                "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  }
+  ReplicaGradients replicas(self.parameters(), &call);  // averaged: a mean loss
+  call.boundary.record = true;
+  const Tensors in = call.first() ? detail::tensors_of(inputs) : Tensors{};
+  detail::BackwardPositions positions(call.first() ? in[0] : at::Tensor());
+  const Tensors outs = run_constant("constant_train_step", in, info.n_items, /*reduce=*/true,
+                                    self.options.worker_threads(), &positions, &call);
+  call.boundary.record = false;
+
+  // The backward pass, rank by rank (this rank's first and last stages).
+  const int64_t first = executor.first_stage();
+  const int64_t last = first + static_cast<int64_t>(devices.size()) - 1;
+  detail::LocalTransport mail(executor.stages(), first, /*blocking=*/true, nullptr,
+                              call.group().timeout());
+  std::exception_ptr failure;
+  detail::RemoteTransport link(mail, call, first, last + 1, nullptr,
+                               [&](std::exception_ptr e) {
+                                 if (!failure) failure = e;
+                                 mail.abort();
+                               });
+  call.attach(&link);
+  struct Detach {
+    detail::RemoteCall& call;
+    ~Detach() { call.detach(); }
+  } detach{call};
+  std::vector<at::Tensor> roots, grads;
+  at::Tensor loss;
+  executor.join();
+  const char* phase = "the loss";
+  int64_t item = -1;
+  try {
+    if (call.last()) {
+      TORCH_CHECK(outs.size() == 1, "the last stage returned ", outs.size(),
+                  " tensors; loss_fn takes one");
+      c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
+      loss = call_loss(loss_fn, outs[0], target);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "the loss function must return one value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      roots.push_back(loss);
+      grads.emplace_back();
+    } else {
+      phase = "the gradients from the next rank for time step";
+      for (item = 0; item < info.n_items; ++item) {
+        const Tensors got = link.receive(last, detail::Key{detail::Key::Gradient, item, {}});
+        const Tensors& sent = call.boundary.sent[item];
+        TORCH_CHECK(got.size() == sent.size(), "the next rank sent ", got.size(),
+                    " gradients for the ", sent.size(), " tensors this rank sent it");
+        for (size_t k = 0; k < sent.size(); ++k) {
+          if (sent[k].requires_grad() && got[k].defined()) {
+            roots.push_back(sent[k]);
+            grads.push_back(got[k]);
+          }
+        }
+      }
+    }
+    phase = "backward";
+    item = -1;
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    executor.join();
+    if (!call.first()) {
+      for (int64_t t = 0; t < info.n_items; ++t) {
+        Tensors back;
+        for (const auto& leaf : call.boundary.received[t]) {
+          back.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
+        }
+        link.send(first, first - 1, detail::Key{detail::Key::Gradient, t, {}}, std::move(back));
+      }
+    }
+  } catch (const c10::Error& e) {
+    if (failure) std::rethrow_exception(failure);
+    std::string where;
+    if (std::string(phase) == "backward") {
+      const auto position = positions.last();
+      where = position.first >= 0
+                  ? c10::str("stage ", position.first, " (rank ", call.group().rank(),
+                             ") failed at backward of time step ", position.second, " of ",
+                             info.n_items, ": ")
+                  : std::string("the backward pass failed: ");
+    } else {
+      where = c10::str("rank ", call.group().rank(), " failed at ", phase,
+                       item >= 0 ? c10::str(" ", item) : std::string(), ": ");
+    }
+    TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: ", where,
+                e.what_without_backtrace());
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (loss.defined()) loss = loss.detach();
+  replicas.reduce(/*mean=*/true, loss);
+  return loss;
 }
 
 }  // namespace mpipe

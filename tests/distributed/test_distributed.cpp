@@ -169,6 +169,78 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
   }
 }
 
+TEST(Distributed, ConstantTrainStepWithStateEqualsAPlainLoop) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  // Stage s: a leaky accumulator (state carried across time steps) for even
+  // s, Linear + Tanh for odd s; n = ranks + 1 stages.
+  const int64_t n = group().pipeline_size() + 1;
+  auto build = [&] {
+    torch::manual_seed(9);
+    std::vector<std::shared_ptr<torch::nn::Module>> v;
+    for (int64_t s = 0; s < n; ++s) {
+      if (s % 2 == 0) {
+        auto m = std::make_shared<mpipe_test::LeakyImpl>(6);
+        m->to(torch::kDouble);
+        v.push_back(m);
+      } else {
+        auto m = mpipe_test::mlp_stage(6, 6, 1);
+        m->to(torch::kDouble);
+        v.push_back(m.ptr());
+      }
+    }
+    return v;
+  };
+  auto call = [](const std::shared_ptr<torch::nn::Module>& m, const at::Tensor& x) {
+    if (auto leaky = std::dynamic_pointer_cast<mpipe_test::LeakyImpl>(m)) return leaky->forward(x);
+    return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m)->forward(x);
+  };
+  const auto reference = build();
+  const auto mine = build();
+  const int64_t T = 4;
+  const at::Tensor x = input(5).requires_grad_(true);
+  const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  const at::Tensor y = torch::full({5, 6}, 0.25, torch::kDouble);
+  at::Tensor sum;
+  for (int64_t t = 0; t < T; ++t) {
+    at::Tensor h = x_ref;
+    for (const auto& m : reference) h = call(m, h);
+    sum = sum.defined() ? sum + h : h;
+  }
+  const at::Tensor want = mse(sum, y);
+  want.backward();
+  for (bool threads : {true, false}) {
+    mpipe::ModelPipeline pipe(
+        mpipe::ModelPipelineOptions().process_group(group()).worker_threads(threads));
+    const auto range = group().stage_range(n);
+    for (int64_t s = range.first; s < range.second; ++s) {
+      auto m = mine[static_cast<size_t>(s)];
+      if (auto leaky = std::dynamic_pointer_cast<mpipe_test::LeakyImpl>(m)) {
+        pipe->append(leaky, "cpu");
+      } else {
+        pipe->append(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m), "cpu");
+      }
+    }
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    x.mutable_grad() = at::Tensor();
+    const at::Tensor loss = pipe->constant_train_step(x, T, y, mse);
+    const std::string what = threads ? "threads" : "inline";
+    if (group().is_last()) {
+      expect_close(loss, want.detach(), "constant_train_step loss, " + what);
+    } else {
+      EXPECT_FALSE(loss.defined());
+    }
+    if (group().is_first()) expect_close(x.grad(), x_ref.grad(), "the input's gradient, " + what);
+    for (int64_t s = range.first; s < range.second; ++s) {
+      const auto got = mine[static_cast<size_t>(s)]->parameters();
+      const auto ref = reference[static_cast<size_t>(s)]->parameters();
+      for (size_t p = 0; p < got.size(); ++p) {
+        expect_close(got[p].grad(), ref[p].grad(),
+                     "constant_train_step, stage " + std::to_string(s) + ", " + what);
+      }
+    }
+  }
+}
+
 TEST(Distributed, InputGradientsReachTheFirstRank) {
   if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
   const auto stages = make_model(group().pipeline_size());
@@ -245,6 +317,118 @@ TEST(Distributed, SkipsCrossRanksBothWays) {
         expect_close(got[p].grad(), ref[p].grad(), "train_step with a skip: stage " +
                                                        std::to_string(s) + " gradient");
       }
+    }
+  }
+  // constant_train_step: the skip's graph crosses the ranks too (T = 2 of a
+  // stateless model: the loss of twice the output).
+  for (auto s : reference) s->zero_grad();
+  at::Tensor h2 = x;
+  for (auto s : reference) h2 = s->forward(h2);
+  const at::Tensor want2 = mse(h2 * 2, y);
+  want2.backward();
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(mine[static_cast<size_t>(s)], "cpu");
+  }
+  for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+  const at::Tensor loss2 = pipe->constant_train_step(x, 2, y, mse);
+  if (group().is_last()) expect_close(loss2, want2.detach(), "constant_train_step with a skip");
+  for (int64_t s = range.first; s < range.second; ++s) {
+    const auto got = mine[static_cast<size_t>(s)]->parameters();
+    const auto ref = reference[static_cast<size_t>(s)]->parameters();
+    for (size_t p = 0; p < got.size(); ++p) {
+      expect_close(got[p].grad(), ref[p].grad(), "constant_train_step with a skip: stage " +
+                                                     std::to_string(s) + " gradient");
+    }
+  }
+}
+
+namespace {
+/// Two tensors out of stage 0, two into stage 1, DeferredBatchNorm there.
+struct SplitImpl : torch::nn::Module {
+  SplitImpl() { fc = register_module("fc", torch::nn::Linear(6, 6)); }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    const at::Tensor h = fc(x);
+    return {torch::tanh(h), h * 0.5};
+  }
+  torch::nn::Linear fc{nullptr};
+};
+struct JoinNormImpl : torch::nn::Module {
+  JoinNormImpl() {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    bn = register_module("bn", mpipe::DeferredBatchNorm(6));
+  }
+  at::Tensor forward(const at::Tensor& a, const at::Tensor& b) {
+    return torch::tanh(bn(fc(a) + b));
+  }
+  torch::nn::Linear fc{nullptr};
+  mpipe::DeferredBatchNorm bn{nullptr};
+};
+}  // namespace
+
+TEST(Distributed, SeveralTensorsAndDeferredBatchNormEqualOneProcess) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size() + 1;
+  // The same stages, built twice: for this rank's part, and for a pipeline
+  // in this process alone (the reference).
+  auto build = [&](mpipe::ModelPipeline& pipe, bool all) {
+    torch::manual_seed(21);
+    const auto range = group().stage_range(n);
+    for (int64_t s = 0; s < n; ++s) {
+      std::shared_ptr<torch::nn::Module> m;
+      if (s == 0) {
+        auto split = std::make_shared<SplitImpl>();
+        split->to(torch::kDouble);
+        if (all || (s >= range.first && s < range.second)) pipe->append(split, "cpu");
+      } else if (s == 1) {
+        auto join = std::make_shared<JoinNormImpl>();
+        join->to(torch::kDouble);
+        if (all || (s >= range.first && s < range.second)) pipe->append(join, "cpu");
+      } else {
+        auto mlp = mpipe_test::mlp_stage(6, 6, 1);
+        mlp->to(torch::kDouble);
+        if (all || (s >= range.first && s < range.second)) pipe->append(mlp, "cpu");
+      }
+    }
+  };
+  const at::Tensor x = input(9);
+  const at::Tensor y = torch::zeros({9, 6}, torch::kDouble);
+  for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1}) {
+    for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+      const auto options = mpipe::ModelPipelineOptions().checkpoint(checkpoint);
+      mpipe::ModelPipeline reference(options);
+      build(reference, true);
+      mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions(options).process_group(group()));
+      build(pipe, false);
+      const auto step = mpipe::TrainStepOptions(2).schedule(schedule);
+      const std::string what = std::string(mpipe::to_string(schedule)) +
+                               (checkpoint == mpipe::Checkpoint::Never ? "" : ", checkpointed");
+      for (int k = 0; k < 2; ++k) {  // twice: the running statistics move on
+        const at::Tensor want = reference->train_step(x, y, mse, step);
+        const at::Tensor got = pipe->train_step(x, y, mse, step);
+        if (group().is_last()) expect_close(got, want, what + ": loss");
+      }
+      const auto first = static_cast<size_t>(group().stage_range(n).first);
+      for (size_t k = 0; k < pipe->size(); ++k) {
+        const auto a = pipe->stage(k)->named_parameters();
+        const auto b = reference->stage(first + k)->named_parameters();
+        for (const auto& p : a) {
+          expect_close(p.value().grad(), b[p.key()].grad(), what + ": " + p.key());
+        }
+        const auto bufs = pipe->stage(k)->named_buffers();
+        const auto ref_bufs = reference->stage(first + k)->named_buffers();
+        for (const auto& buf : bufs) {
+          if (buf.value().is_floating_point()) {
+            expect_close(buf.value(), ref_bufs[buf.key()], what + ": buffer " + buf.key());
+          }
+        }
+      }
+      pipe->eval();
+      reference->eval();
+      torch::NoGradGuard no_grad;
+      const at::Tensor out = pipe->forward(x, 4);
+      if (group().is_last()) expect_close(out, reference->forward(x, 4), what + ": eval forward");
     }
   }
 }
