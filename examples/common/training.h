@@ -6,6 +6,7 @@
 #include "fashion_mnist.h"
 
 #include <mpipe/device.h>
+#include <mpipe/distributed.h>
 #include <mpipe/model_pipeline.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +16,7 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <cstdint>
 #include <functional>
@@ -53,6 +55,27 @@ inline std::vector<torch::Device> stage_devices(const std::string& spec, int64_t
     out.push_back(mpipe::resolve_device(names[static_cast<size_t>(i) % names.size()]));
   }
   return out;
+}
+
+/// Across processes: the group when the program was started as several ranks
+/// (WORLD_SIZE > 1: mpipe-launch -n N or torchrun); else undefined (one process).
+inline mpipe::distributed::ProcessGroup group_from_env() {
+  const char* world = std::getenv("WORLD_SIZE");
+  if (world == nullptr || std::atoll(world) <= 1) return {};
+  return mpipe::distributed::init_from_env();
+}
+
+/// Whether this process appends stage `s` of `n`: all of them in one
+/// process, its range of them across processes.
+inline bool holds_stage(const mpipe::distributed::ProcessGroup& group, int64_t s, int64_t n) {
+  if (!group.defined()) return true;
+  const auto range = group.stage_range(n);
+  return s >= range.first && s < range.second;
+}
+
+/// Whether this process reports results: the one process, or the last rank.
+inline bool reports(const mpipe::distributed::ProcessGroup& group) {
+  return !group.defined() || group.is_last();
 }
 
 inline std::string device_list(const std::vector<torch::Device>& devices) {

@@ -41,6 +41,7 @@ struct Config {
   std::string schedule = "1f1b";
   std::string checkpoint = "never";
   std::string balance = "none";  // none: the fixed 4-stage split; time or memory: balanced
+  mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices,
@@ -53,9 +54,15 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   const auto checkpoint = cfg.checkpoint == "always"        ? mpipe::Checkpoint::Always
                           : cfg.checkpoint == "except-last" ? mpipe::Checkpoint::ExceptLast
                                                             : mpipe::Checkpoint::Never;
-  const auto options =
-      mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host).checkpoint(checkpoint);
+  const auto options = mpipe::ModelPipelineOptions()
+                           .worker_threads(!cfg.common.inline_host)
+                           .checkpoint(checkpoint)
+                           .process_group(cfg.group);
   if (cfg.balance != "none") {
+    if (cfg.group.defined()) {
+      throw std::runtime_error("--balance splits the model in one process; across processes "
+                               "each rank holds its range of the fixed 4-stage split");
+    }
     // The same layers as one Sequential, split by measured cost (mpipe/balance.h).
     nn::Sequential layers{nn::Flatten()};
     layers->extend(*block(28 * 28));
@@ -78,11 +85,16 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   }
   nn::Sequential first{nn::Flatten()};
   first->extend(*block(28 * 28));
+  // Every stage is built on every rank (the same random draws), and each
+  // rank appends its own range of them.
+  const std::vector<nn::Sequential> stages{first, block(cfg.hidden), block(cfg.hidden),
+                                           nn::Sequential(nn::Linear(cfg.hidden, 10))};
   mpipe::ModelPipeline pipe(options);
-  pipe->append(first, devices[0])
-      .append(block(cfg.hidden), devices[1])
-      .append(block(cfg.hidden), devices[2])
-      .append(nn::Sequential(nn::Linear(cfg.hidden, 10)), devices[3]);
+  for (int64_t s = 0; s < 4; ++s) {
+    if (examples::holds_stage(cfg.group, s, 4)) {
+      pipe->append(stages[static_cast<size_t>(s)], devices[static_cast<size_t>(s)]);
+    }
+  }
   return pipe;
 }
 
@@ -93,6 +105,7 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, int64
   for (int64_t start = 0; start < test.size(); start += 1000) {
     const int64_t n = std::min<int64_t>(1000, test.size() - start);
     auto logits = pipe->forward(test.images.narrow(0, start, n), split);
+    if (!logits.defined()) continue;  // a rank before the last
     correct += logits.argmax(1).eq(test.labels.narrow(0, start, n)).sum();
   }
   pipe->train();
@@ -120,14 +133,19 @@ int run(Config cfg) {
   const double mean = train.images.mean().item<double>(), std = train.images.std().item<double>();
   for (auto* ds : {&train, &test}) ds->images = (ds->images - mean) / std;
 
+  cfg.group = examples::group_from_env();
+  const bool report = examples::reports(cfg.group);
   auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
   const auto schedule = cfg.schedule == "gpipe"   ? mpipe::Schedule::GPipe
                         : cfg.schedule == "zb-h1" ? mpipe::Schedule::ZeroBubbleH1
                         : cfg.schedule == "auto"  ? mpipe::Schedule::Auto
                                                   : mpipe::Schedule::OneFOneB;
-  std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s, hidden %lld, %lld train / %lld test "
-              "images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s\n",
+  std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s%s, hidden %lld, %lld train / %lld "
+              "test images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
+              cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
+                                     " processes").c_str()
+                                  : "",
               static_cast<long long>(cfg.hidden), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.split), cfg.schedule.c_str(), cfg.checkpoint.c_str());
@@ -153,8 +171,9 @@ int run(Config cfg) {
       examples::set_cosine_lr<torch::optim::AdamOptions>(opt, cfg.lr, step, total_steps);
       opt.zero_grad();
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
-      loss_sum += pipe->train_step(x, y, loss_fn,
-                                   mpipe::TrainStepOptions(cfg.split).schedule(schedule)) * n;
+      const auto loss =
+          pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(cfg.split).schedule(schedule));
+      if (loss.defined()) loss_sum += loss * n;  // the last rank's, across processes
       if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
     }
@@ -163,12 +182,19 @@ int run(Config cfg) {
     train_seconds += epoch_train_s;
     const double train_acc = evaluate(pipe, train, cfg.split);
     last = evaluate(pipe, test, cfg.split);
-    examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
-                          epoch_train_s, examples::seconds_since(t_start));
+    if (report) {
+      examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
+                            epoch_train_s, examples::seconds_since(t_start));
+    }
   }
   std::filesystem::create_directories(common.out);
-  const std::string path = common.out + "/mlp_fashion_mnist.pt";
+  std::string path = common.out + "/mlp_fashion_mnist.pt";
+  if (cfg.group.defined()) path = cfg.group.rank_path(path);  // each rank its stages
   torch::save(pipe, path);
+  if (!report) {
+    std::printf("weights of this rank's stages saved to %s\n", path.c_str());
+    return 0;
+  }
   std::printf("final test accuracy %.2f%%; %s of training; weights saved to %s\n", 100 * last,
               examples::format_duration(train_seconds).c_str(), path.c_str());
   return examples::accuracy_exit_code(last, common.min_accuracy);

@@ -45,6 +45,7 @@ struct Config {
   int64_t test_batch = 1000;
   bool quick_on_cpu = false;
   bool no_tf32 = false;
+  mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
@@ -61,11 +62,16 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   nn::Sequential fc1(nn::Flatten(), nn::Linear(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false)),
                      IFNode(neuron));
   nn::Sequential fc2(nn::Linear(nn::LinearOptions(cfg.hidden, 10).bias(false)), IFNode(neuron));
-  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!cfg.common.inline_host));
-  pipe->append(conv1, devices[0])
-      .append(conv2, devices[1])
-      .append(fc1, devices[2])
-      .append(fc2, devices[3]);
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
+                                .worker_threads(!cfg.common.inline_host)
+                                .process_group(cfg.group));
+  // Every rank builds every stage (the same random draws) and appends its range.
+  const std::vector<nn::Sequential> stages{conv1, conv2, fc1, fc2};
+  for (int64_t s = 0; s < 4; ++s) {
+    if (examples::holds_stage(cfg.group, s, 4)) {
+      pipe->append(stages[static_cast<size_t>(s)], devices[static_cast<size_t>(s)]);
+    }
+  }
   return pipe;
 }
 
@@ -78,9 +84,10 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const
     const int64_t n = std::min(cfg.test_batch, test.size() - start);
     auto x = test.images.narrow(0, start, n);
     auto y = test.labels.narrow(0, start, n);
-    auto rate = mpipe::snn::rate_from_sum(pipe->constant_forward(x, cfg.time_steps), cfg.time_steps);
-    correct += mpipe::snn::predict(rate).eq(y).sum();
+    const auto sum = pipe->constant_forward(x, cfg.time_steps);
     mpipe::reset_states(*pipe);
+    if (!sum.defined()) continue;  // a rank before the last
+    correct += mpipe::snn::predict(mpipe::snn::rate_from_sum(sum, cfg.time_steps)).eq(y).sum();
   }
   pipe->train();
   return static_cast<double>(correct.item<int64_t>()) / static_cast<double>(test.size());
@@ -114,18 +121,24 @@ int run(Config cfg) {
     return examples::kSkipExitCode;
   }
 
+  cfg.group = examples::group_from_env();
+  const bool report = examples::reports(cfg.group);
   auto pipe = build_model(cfg, devices);
-  std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s, T=%lld, %lld train / %lld test "
+  std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s%s, T=%lld, %lld train / %lld test "
               "images, batch %lld, channels %lld, hidden %lld%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
+              cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
+                                     " processes").c_str()
+                                  : "",
               static_cast<long long>(cfg.time_steps), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.channels), static_cast<long long>(cfg.hidden),
               common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
-    torch::load(pipe, cfg.eval_path);
+    torch::load(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
     const double acc = evaluate(pipe, test, cfg);
+    if (!report) return 0;
     std::printf("test accuracy of %s: %.2f%%\n", cfg.eval_path.c_str(), 100 * acc);
     return examples::accuracy_exit_code(acc, common.min_accuracy);
   }
@@ -152,16 +165,18 @@ int run(Config cfg) {
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
       examples::set_cosine_lr<torch::optim::SGDOptions>(opt, cfg.lr, step, total_steps);
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
-      auto rate = mpipe::snn::rate_from_sum(pipe->constant_forward(x, cfg.time_steps),
-                                            cfg.time_steps);
-      auto loss = mpipe::snn::rate_mse_loss(rate, y);
+      // The loss of the firing rates over T steps (on the last stage, the
+      // last rank across processes); the states are reset before and after.
+      auto loss_fn = [&](const torch::Tensor& spike_sum, const torch::Tensor& labels) {
+        const auto rate = mpipe::snn::rate_from_sum(spike_sum, cfg.time_steps);
+        correct += mpipe::snn::predict(rate.detach()).eq(labels).sum();
+        return mpipe::snn::rate_mse_loss(rate, labels);
+      };
       opt.zero_grad();
-      loss.backward();
+      const auto loss = pipe->constant_train_step(x, cfg.time_steps, y, loss_fn);
       if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
-      mpipe::reset_states(*pipe);
-      loss_sum += loss.detach() * n;
-      correct += mpipe::snn::predict(rate.detach()).eq(y).sum();
+      if (loss.defined()) loss_sum += loss * n;
     }
     const double mean_loss = loss_sum.item<double>() / train.size();
     const double train_acc = static_cast<double>(correct.item<int64_t>()) / train.size();
@@ -172,13 +187,20 @@ int run(Config cfg) {
       best = last;
       best_epoch = epoch;
     }
-    examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
-                          epoch_train_s, examples::seconds_since(t_start));
+    if (report) {
+      examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
+                            epoch_train_s, examples::seconds_since(t_start));
+    }
   }
 
   std::filesystem::create_directories(common.out);
-  const std::string path = common.out + "/snn_fashion_mnist.pt";
+  std::string path = common.out + "/snn_fashion_mnist.pt";
+  if (cfg.group.defined()) path = cfg.group.rank_path(path);  // each rank its stages
   torch::save(pipe, path);
+  if (!report) {
+    std::printf("weights of this rank's stages saved to %s\n", path.c_str());
+    return 0;
+  }
   std::printf("final test accuracy %.2f%% (best %.2f%% at epoch %lld); %s of training "
               "(%s with evaluation); weights saved to %s\n",
               100 * last, 100 * best, static_cast<long long>(best_epoch),
