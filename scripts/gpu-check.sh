@@ -27,6 +27,10 @@ if [ ! -f /usr/include/zlib.h ] && [ -f .devdata/include/zlib.h ]; then
   libz=$(ls /usr/lib/x86_64-linux-gnu/libz.so* /lib/x86_64-linux-gnu/libz.so* 2>/dev/null | head -n 1)
   extra+=("-DZLIB_INCLUDE_DIR=$PWD/.devdata/include" "-DZLIB_LIBRARY=$libz")
 fi
+# Pipelines across processes: Gloo's headers (not in the wheel) come in
+# .devdata/include (scripts/prepare-devdata.sh); NCCL's from the nvidia-nccl wheel.
+nccl_include=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "include"))' 2>/dev/null || true)
+[ -n "$nccl_include" ] && [ -f "$nccl_include/nccl.h" ] && export MPIPE_NCCL_INCLUDE=$nccl_include
 status=0
 failed=()
 # Runs a step; its failure (any command of a pipeline) fails the script at the end.

@@ -546,6 +546,44 @@ TEST(Distributed, ReplicasTrainLikeOneProcessOnTheWholeBatch) {
   }
 }
 
+// One GPU: a world of one rank holding several stages on cuda:0 (the NCCL
+// backend where the LibTorch has it) equals the same pipeline without a group.
+TEST(Distributed, OneRankHoldsSeveralStagesOnTheGpu_CUDA) {
+  if (mpipe::cuda_device_count() < 1) GTEST_SKIP() << "needs a CUDA device";
+  if (group().world_size() != 1) GTEST_SKIP() << "a world of one rank";
+  std::printf("backend: %s\n", mpipe::distributed::to_string(group().backend()));
+  auto build = [](mpipe::ModelPipeline& pipe) {
+    torch::manual_seed(31);
+    for (int s = 0; s < 3; ++s) {
+      auto m = mpipe_test::mlp_stage(8, 8, 1);
+      m->to(torch::kDouble);
+      pipe->append(m, "cuda:0");
+    }
+  };
+  mpipe::ModelPipeline plain_pipe;
+  build(plain_pipe);
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  build(pipe);
+  torch::manual_seed(2);
+  const at::Tensor x = torch::randn({12, 8}, torch::kDouble).cuda();
+  const at::Tensor y = torch::randn({12, 8}, torch::kDouble).cuda();
+  for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1}) {
+    const auto step = mpipe::TrainStepOptions(4).schedule(schedule);
+    expect_close(pipe->train_step(x, y, mse, step), plain_pipe->train_step(x, y, mse, step),
+                 "train_step loss");
+  }
+  expect_close(pipe->constant_train_step(x, 3, y, mse),
+               plain_pipe->constant_train_step(x, 3, y, mse), "constant_train_step loss");
+  for (size_t k = 0; k < pipe->size(); ++k) {
+    const auto a = pipe->stage(k)->parameters(), b = plain_pipe->stage(k)->parameters();
+    for (size_t p = 0; p < a.size(); ++p) expect_close(a[p].grad(), b[p].grad(), "gradient");
+  }
+  torch::NoGradGuard no_grad;
+  expect_close(pipe->forward(x, 5), plain_pipe->forward(x, 5), "forward");
+  expect_close(pipe->sequence_forward(x.view({3, 4, 8})),
+               plain_pipe->sequence_forward(x.view({3, 4, 8})), "sequence_forward");
+}
+
 // Fault drills: run one at a time (tests/CMakeLists.txt) with a short timeout.
 // MPIPE_TEST_FAULT=die|stall picks what the last rank does at its second
 // micro-batch; the other ranks must fail within the timeout plus a few seconds.
@@ -601,17 +639,21 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   int64_t replicas = 1;
   double timeout_s = 60;
+  auto backend = mpipe::distributed::Backend::Gloo;  // CPU tests: the GPU one asks for Auto
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
     if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
     if (a.rfind("--timeout=", 0) == 0) timeout_s = std::stod(a.substr(10));
+    if (a == "--backend=nccl") backend = mpipe::distributed::Backend::NCCL;
+    if (a == "--backend=gloo") backend = mpipe::distributed::Backend::Gloo;
+    if (a == "--backend=auto") backend = mpipe::distributed::Backend::Auto;
   }
   if (!mpipe::distributed::available()) {
     std::printf("mpipe was built without c10d: nothing to test\n");
     return 0;
   }
   g_group = mpipe::distributed::init_from_env(
-      mpipe::distributed::GroupOptions().replicas(replicas).timeout(
+      mpipe::distributed::GroupOptions().replicas(replicas).backend(backend).timeout(
           std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))));
   std::printf("rank %lld of %lld: pipeline rank %lld of %lld, replica %lld of %lld\n",
               static_cast<long long>(g_group.rank()), static_cast<long long>(g_group.world_size()),
