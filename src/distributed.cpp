@@ -4,6 +4,7 @@
 
 #include "group.h"
 #include "link.h"
+#include "streams.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
@@ -37,6 +38,7 @@ struct Comm {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicas;
 #ifdef USE_C10D_NCCL
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> replicas_nccl;  // CUDA gradients, NCCL backend
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> world_nccl;     // CUDA activations and gradients
 #endif
 };
 
@@ -53,7 +55,8 @@ enum Slot : int64_t {
   kMagicSlot, kPipeline, kSeq, kType, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
   kTextBytes, kCallFields, kDims, kShape  // kShape .. kShape + kMaxDims - 1
 };
-static_assert(kShape + kMaxDims <= kHeader, "the header holds the shape");
+constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL
+static_assert(kOverNccl < kHeader, "the header holds the shape and the NCCL flag");
 
 std::string what_of(const std::exception_ptr& e) {
   try {
@@ -166,13 +169,22 @@ class GlooLink final : public Link {
     if (!m.call.empty()) {
       payload.push_back(at::tensor(m.call, at::kLong));
     }
+    at::Tensor nccl_payload;
     if (m.tensor.defined()) {
       TORCH_CHECK(m.tensor.dim() <= kMaxDims, "mpipe: a tensor sent to another rank has ",
                   m.tensor.dim(), " dimensions; at most ", kMaxDims, " are supported");
       h[kDtype] = static_cast<int64_t>(m.tensor.scalar_type());
       h[kDims] = m.tensor.dim();
       for (int64_t d = 0; d < m.tensor.dim(); ++d) h[kShape + d] = m.tensor.size(d);
-      if (m.tensor.numel() > 0) payload.push_back(m.tensor.detach().to(at::kCPU).contiguous());
+      if (m.tensor.numel() > 0) {
+#ifdef USE_C10D_NCCL
+        if (m.tensor.is_cuda() && comm_.world_nccl) {
+          nccl_payload = m.tensor.detach().contiguous();
+          h[kOverNccl] = 1;
+        }
+#endif
+        if (!nccl_payload.defined()) payload.push_back(m.tensor.detach().to(at::kCPU).contiguous());
+      }
     }
     Peer& to = peers_[static_cast<size_t>(peer)];
     const int dst = static_cast<int>(group_->world_rank(peer));
@@ -183,6 +195,14 @@ class GlooLink final : public Link {
       std::vector<at::Tensor> part{t};
       to.sends.push_back(comm_.world->send(part, dst, tag_));
     }
+#ifdef USE_C10D_NCCL
+    // NCCL matches by order only: the peer's receiving thread posts its
+    // receives in the order of these headers, one peer at a time.
+    if (nccl_payload.defined()) {
+      std::vector<at::Tensor> part{nccl_payload};
+      to.sends.push_back(comm_.world_nccl->send(part, dst, 0));
+    }
+#endif
   }
 
   std::string finish(const std::string& error, bool failing) override {
@@ -311,8 +331,28 @@ class GlooLink final : public Link {
         }
         if (h[kDtype] >= 0) {
           std::vector<int64_t> shape(h + kShape, h + kShape + h[kDims]);
-          m.tensor = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(h[kDtype])));
-          if (m.tensor.numel() > 0) receive(peer, m.tensor);
+          auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(h[kDtype]));
+          if (h[kOverNccl] == 1) {
+#ifdef USE_C10D_NCCL
+            TORCH_CHECK(comm_.world_nccl, "a tensor came over NCCL, but this rank's group has "
+                        "no NCCL (every rank must choose the same backend)");
+            const c10::Device device = handlers_.device_of(m.stage);
+            TORCH_CHECK(device.is_cuda(), "rank ", from_rank, " sent a CUDA tensor over NCCL "
+                        "for stage ", m.stage, ", which runs on ", device, " here; with the NCCL "
+                        "backend a boundary between ranks joins CUDA stages (use Backend::Gloo "
+                        "for CPU stages)");
+            m.tensor = at::empty(shape, options.device(device));
+            std::vector<at::Tensor> part{m.tensor};
+            comm_.world_nccl->recv(part, static_cast<int>(from_rank), 0)->wait();
+            // wait() ordered this thread's current stream after the receive.
+            m.ready = record_event(current_stream(device));
+#else
+            TORCH_CHECK(false, "a tensor came over NCCL, but this build has no NCCL");
+#endif
+          } else {
+            m.tensor = at::empty(shape, options);
+            if (m.tensor.numel() > 0) receive(peer, m.tensor);
+          }
         }
         if (m.type == WireMessage::End) return ended(peer);
         if (m.type == WireMessage::Abort) {
@@ -475,6 +515,15 @@ ProcessGroup init(int64_t rank, int64_t world_size, const std::string& master_ad
     comm.store = c10::make_intrusive<c10d::TCPStore>(master_addr, store_options);
     comm.world = detail::make_gloo(comm.store, "mpipe/world", static_cast<int>(rank),
                                    static_cast<int>(world_size), master_addr, options.timeout());
+#ifdef USE_C10D_NCCL
+    if (impl->backend == Backend::NCCL && world_size > 1) {
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = options.timeout();
+      comm.world_nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("mpipe/world/nccl", comm.store),
+          static_cast<int>(rank), static_cast<int>(world_size), nccl_options);
+    }
+#endif
     if (impl->replicas > 1) {
       const std::string prefix = c10::str("mpipe/replicas", impl->pipeline_rank());
       comm.replicas = detail::make_gloo(comm.store, prefix, static_cast<int>(impl->replica()),

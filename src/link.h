@@ -9,6 +9,7 @@
 #include "mpipe/distributed.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <cstdint>
 #include <functional>
@@ -30,6 +31,9 @@ struct WireMessage {
   int64_t index = 0;
   int64_t count = 1;
   at::Tensor tensor;  // may be undefined
+  /// Received over NCCL: the tensor is ready once this event (on its device)
+  /// fires; null when it is ready now (host transfers).
+  std::shared_ptr<c10::Event> ready;
   // Call: the first rank's description of the call (CallInfo's fields).
   std::vector<int64_t> call;
   // Abort: what failed.
@@ -40,8 +44,9 @@ class Link {
  public:
   virtual ~Link() = default;
   /// Sends `m` to pipeline rank `peer` without waiting; messages to one peer
-  /// arrive in the order they were posted. CUDA tensors are sent from the
-  /// host (their producer's stream must be done with them).
+  /// arrive in the order they were posted. A CUDA tensor goes over NCCL when
+  /// the group's backend is NCCL (ordered after the current stream of its
+  /// device), else through the host (a copy on the current stream).
   virtual void post(int64_t peer, WireMessage m) = 0;
   /// Ends the call on this rank: End (or, with `error`, Abort carrying it) to
   /// every peer, then waits until every peer ended too and every send went
@@ -57,6 +62,9 @@ class Link {
 struct LinkHandlers {
   std::function<void(int64_t peer, WireMessage m)> deliver;
   std::function<void(int64_t peer, const std::string& why)> failed;
+  /// The device of this rank's stage `stage` (where a CUDA tensor sent over
+  /// NCCL for it is received).
+  std::function<c10::Device(int64_t stage)> device_of;
 };
 
 /// Opens call `seq` of pipeline `pipeline_id` with every other rank of this

@@ -144,7 +144,10 @@ template <typename F>
 auto ModelPipelineImpl::State::across(const char* method, F&& body)
     -> decltype(body(std::declval<detail::RemoteCall&>())) {
   connect(method);
-  detail::RemoteCall call(self.options.process_group(), layout, pipeline_id, call_seq++);
+  detail::RemoteCall call(self.options.process_group(), layout, pipeline_id, call_seq++,
+                          [this](int64_t stage) {
+                            return devices[static_cast<size_t>(stage - executor.first_stage())];
+                          });
   decltype(body(call)) result;
   std::exception_ptr error;
   try {

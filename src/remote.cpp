@@ -92,9 +92,11 @@ std::string Layout::ranks_stages(int64_t p) const {
 }
 
 RemoteCall::RemoteCall(const distributed::ProcessGroup& group, const Layout& layout,
-                       int64_t pipeline_id, int64_t seq)
+                       int64_t pipeline_id, int64_t seq,
+                       std::function<c10::Device(int64_t)> device_of)
     : group_(group), layout_(layout) {
   LinkHandlers handlers;
+  handlers.device_of = std::move(device_of);
   handlers.deliver = [this](int64_t peer, WireMessage m) { deliver(peer, std::move(m)); };
   handlers.failed = [this](int64_t peer, const std::string& why) { failed(peer, why); };
   link_ = open_link(group, pipeline_id, seq, std::move(handlers));
@@ -305,9 +307,11 @@ void RemoteTransport::deliver(int64_t peer, WireMessage m) {
   try {
     const auto where = std::make_pair(m.stage, m.key);
     Tensors values;
+    std::shared_ptr<c10::Event> ready;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       Partial& part = partial_[where];
+      if (m.ready) part.ready = m.ready;
       if (m.count > 0) {
         if (part.values.empty()) part.values.resize(static_cast<size_t>(m.count));
         TORCH_CHECK(m.index >= 0 && m.index < m.count &&
@@ -317,6 +321,7 @@ void RemoteTransport::deliver(int64_t peer, WireMessage m) {
       }
       if (++part.got < std::max<int64_t>(m.count, 1)) return;
       values = std::move(part.values);
+      ready = std::move(part.ready);
       partial_.erase(where);
     }
     RemoteCall::Boundary& b = call_.boundary;
@@ -334,11 +339,11 @@ void RemoteTransport::deliver(int64_t peer, WireMessage m) {
       TORCH_CHECK(values.size() == 1, "a skip parcel holds one tensor, got ", values.size());
       TORCH_CHECK(skips_ != nullptr, "skip '", m.key.name, "' arrived after the forward pass");
       skips_->stash(m.key.name, m.key.item, m.from);
-      local_.deposit(m.from, -1, m.key, std::move(values));
+      local_.deposit(m.from, -1, m.key, std::move(values), std::move(ready));
     } else {
       TORCH_CHECK(local(m.stage), "a message for stage ", m.stage, " reached the rank of ",
                   call_.layout().ranks_stages(call_.pipeline_rank()));
-      local_.deposit(m.from, m.stage, m.key, std::move(values));
+      local_.deposit(m.from, m.stage, m.key, std::move(values), std::move(ready));
     }
   } catch (...) {
     fail_(std::current_exception());

@@ -55,8 +55,9 @@ class RemoteTransport;
 /// One call of a pipeline across processes, on every one of its ranks.
 class RemoteCall {
  public:
+  /// `device_of(stage)`: the device of this rank's stage `stage`.
   RemoteCall(const distributed::ProcessGroup& group, const Layout& layout, int64_t pipeline_id,
-             int64_t seq);
+             int64_t seq, std::function<c10::Device(int64_t)> device_of);
   ~RemoteCall();
 
   const distributed::ProcessGroup& group() const { return group_; }
@@ -142,6 +143,7 @@ class RemoteTransport : public Transport {
   struct Partial {
     Tensors values;
     int64_t got = 0;
+    std::shared_ptr<c10::Event> ready;  // the last NCCL receive's (one stream: covers all)
   };
   std::map<std::pair<int64_t, Key>, Partial> partial_;  // by (stage, key)
 };

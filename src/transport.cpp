@@ -39,10 +39,12 @@ void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors valu
   }
 }
 
-void LocalTransport::deposit(int64_t from, int64_t to, const Key& key, Tensors values) {
+void LocalTransport::deposit(int64_t from, int64_t to, const Key& key, Tensors values,
+                             std::shared_ptr<c10::Event> ready) {
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
   std::lock_guard<std::mutex> lock(mutex_);
-  const bool fresh = parcels_.emplace(where, Parcel{std::move(values), nullptr, from}).second;
+  const bool fresh =
+      parcels_.emplace(where, Parcel{std::move(values), std::move(ready), from}).second;
   TORCH_CHECK(fresh, "mpipe: ", key.kind == Key::Skip ? "skip '" + key.name + "'" : "a message",
               " of item ", key.item, " arrived twice from stage ", from);
   for (auto& cv : arrived_) cv.notify_all();

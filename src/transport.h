@@ -89,8 +89,10 @@ class LocalTransport : public Transport {
   void abort() override;
 
   /// Values for stage `to` (or, for a skip, any stage) from another process,
-  /// on the host; `from` is the stage that sent them (the stasher, for a skip).
-  void deposit(int64_t from, int64_t to, const Key& key, Tensors values);
+  /// on the host or, when `ready` is set, on a device once it fires; `from` is
+  /// the stage that sent them (the stasher, for a skip).
+  void deposit(int64_t from, int64_t to, const Key& key, Tensors values,
+               std::shared_ptr<c10::Event> ready = nullptr);
   /// Another process failed: every receive, waiting or not, throws a
   /// c10::Error saying `why`.
   void fail(const std::string& why);

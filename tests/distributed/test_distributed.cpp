@@ -584,6 +584,46 @@ TEST(Distributed, OneRankHoldsSeveralStagesOnTheGpu_CUDA) {
                plain_pipe->sequence_forward(x.view({3, 4, 8})), "sequence_forward");
 }
 
+// Several GPUs: one rank per GPU (cuda:LOCAL_RANK), CUDA tensors between ranks
+// over NCCL (--backend=nccl), against the same stages in one process on the
+// CPU. Skipped with fewer GPUs than ranks (ctest distributed.nccl_MultiCUDA).
+TEST(Distributed, StagesOnTheirOwnGpusOverNccl_MultiCUDA) {
+  if (mpipe::cuda_device_count() < group().world_size()) GTEST_SKIP() << "one GPU per rank";
+  if (group().backend() != mpipe::distributed::Backend::NCCL) GTEST_SKIP() << "--backend=nccl";
+  const std::string device = "cuda:" + std::to_string(group().rank());
+  const int64_t n = group().pipeline_size() + 1;
+  const auto stages = make_model(n);
+  auto reference = make_model(n);
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(copy(stages[static_cast<size_t>(s)]), device);
+  }
+  const at::Tensor x = input(10);
+  torch::manual_seed(3);
+  const at::Tensor y = torch::randn({10, 3}, torch::kDouble);
+  for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1}) {
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    for (auto& s : reference) s->zero_grad();
+    const auto step = mpipe::TrainStepOptions(3).schedule(schedule);
+    const at::Tensor loss = pipe->train_step(x.to(device), y.to(device), mse, step);
+    const at::Tensor want = mse(plain(reference, x), y);
+    want.backward();
+    if (group().is_last()) expect_close(loss.cpu(), want.detach(), "loss over NCCL");
+    const int64_t first = range.first;
+    for (size_t k = 0; k < pipe->size(); ++k) {
+      const auto got = pipe->stage(k)->parameters();
+      const auto ref = reference[static_cast<size_t>(first) + k]->parameters();
+      for (size_t p = 0; p < got.size(); ++p) {
+        expect_close(got[p].grad().cpu(), ref[p].grad(), "gradient over NCCL");
+      }
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const at::Tensor out = pipe->forward(x.to(device), 4);
+  if (group().is_last()) expect_close(out.cpu(), plain(reference, x), "forward over NCCL");
+}
+
 // Fault drills: run one at a time (tests/CMakeLists.txt) with a short timeout.
 // MPIPE_TEST_FAULT=die|stall picks what the last rank does at its second
 // micro-batch; the other ranks must fail within the timeout plus a few seconds.
@@ -640,6 +680,7 @@ int main(int argc, char** argv) {
   int64_t replicas = 1;
   double timeout_s = 60;
   auto backend = mpipe::distributed::Backend::Gloo;  // CPU tests: the GPU one asks for Auto
+  int64_t require_gpus = 0;
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
     if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
@@ -647,6 +688,13 @@ int main(int argc, char** argv) {
     if (a == "--backend=nccl") backend = mpipe::distributed::Backend::NCCL;
     if (a == "--backend=gloo") backend = mpipe::distributed::Backend::Gloo;
     if (a == "--backend=auto") backend = mpipe::distributed::Backend::Auto;
+    if (a.rfind("--require-gpus=", 0) == 0) require_gpus = std::stoll(a.substr(15));
+  }
+  if (mpipe::cuda_device_count() < require_gpus) {  // ctest counts exit 77 as skipped
+    std::printf("needs %lld GPU(s), %lld visible: skipping\n",
+                static_cast<long long>(require_gpus),
+                static_cast<long long>(mpipe::cuda_device_count()));
+    return 77;
   }
   if (!mpipe::distributed::available()) {
     std::printf("mpipe was built without c10d: nothing to test\n");
