@@ -73,8 +73,9 @@ struct LinkHandlers {
 std::unique_ptr<Link> open_link(const distributed::ProcessGroup& group, int64_t pipeline_id,
                                 int64_t seq, LinkHandlers handlers);
 
-/// Every pipeline rank's stage count of pipeline `pipeline_id` (exchanged
-/// through the rendezvous store), this rank's being `mine`.
+/// Every pipeline rank's stage count of pipeline `pipeline_id`, this rank's
+/// being `mine` (an allgather over the world: every rank calls it, in the same
+/// order, at each pipeline's first call).
 std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
                                            int64_t pipeline_id, int64_t mine);
 

@@ -14,7 +14,7 @@ namespace detail {
 // Note [Cross-process calls]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A pipeline on a process group holds, on each rank, a contiguous range of
-// the global stages; the ranges are exchanged through the rendezvous store at
+// the global stages; the ranges are exchanged by an allgather over the world at
 // the first call (Layout). Every call then runs in four steps on every rank:
 //  1. open: a link to every other rank of the pipeline (distributed.cpp): a
 //     receiving thread per peer reads that peer's messages in the order they
