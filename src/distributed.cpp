@@ -2,6 +2,7 @@
 // the link a call's messages travel on (Note [Cross-process calls] in
 // remote.cpp says what travels when).
 
+#include "errors.h"
 #include "group.h"
 #include "link.h"
 #include "streams.h"
@@ -57,18 +58,6 @@ enum Slot : int64_t {
 };
 constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL
 static_assert(kOverNccl < kHeader, "the header holds the shape and the NCCL flag");
-
-std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& err) {
-    return err.what_without_backtrace();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
 
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
@@ -230,7 +219,7 @@ class GlooLink final : public Link {
         } catch (...) {
           const std::string why = c10::str("rank ", group_->world_rank(p),
                                            " did not take a message: ",
-                                           what_of(std::current_exception()));
+                                           message_of(std::current_exception()));
           group_->break_group(why);
           add(why);
           break;
@@ -371,7 +360,7 @@ class GlooLink final : public Link {
       const std::string why =
           abandoned ? c10::str("rank ", from_rank, " did not end the call (stalled?)")
                     : c10::str("rank ", from_rank, " cannot be reached (",
-                               what_of(std::current_exception()), ")");
+                               message_of(std::current_exception()), ")");
       group_->break_group(why);
       handlers_.failed(peer, why);
       ended(peer);

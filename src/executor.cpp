@@ -1,6 +1,7 @@
 #include "executor.h"
 
 #include "backward_positions.h"
+#include "errors.h"
 #include "recorder.h"
 #include "remote.h"
 #include "skips.h"
@@ -457,16 +458,7 @@ void Executor::weight_action(Run& run, int64_t j, int64_t i) {
 
 std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* phase,
                                               int64_t j, int64_t i) const {
-  std::string what;
-  try {
-    throw;
-  } catch (const c10::Error& e) {
-    what = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-    what = "unknown exception";
-  }
+  const std::string what = message_of(std::current_exception());
   try {
     TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", j, " (on ",
                 place(j).device, rank_, ") failed at ", phase, " ", i, " of ",

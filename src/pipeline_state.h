@@ -16,6 +16,7 @@
 
 #include "mpipe/model_pipeline.h"
 
+#include "errors.h"
 #include "executor.h"
 #include "graphs.h"
 #include "recorder.h"
@@ -156,16 +157,7 @@ auto ModelPipelineImpl::State::across(const char* method, F&& body)
     error = std::current_exception();
   }
   if (error) {
-    std::string what;
-    try {
-      std::rethrow_exception(error);
-    } catch (const c10::Error& e) {
-      what = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-      what = "unknown exception";
-    }
+    const std::string what = detail::message_of(error);
     const std::string others = call.finish(what, method);
     if (others.empty()) std::rethrow_exception(error);
     // What the other ranks reported may name the root cause (the rank that
