@@ -14,7 +14,9 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 #include <torch/utils.h>
+#include <torch/version.h>
 
 #ifdef MPIPE_BENCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -108,7 +110,8 @@ torch::Tensor run_plain(std::vector<nn::Sequential>& stages,
 }
 
 json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width, int64_t depth,
-                  int64_t batch, int64_t split, bool inline_host) {
+                  int64_t batch, int64_t split, bool inline_host,
+                  torch::Dtype dtype = torch::kFloat) {
   torch::manual_seed(0);
   const auto devices = placement(device, 4);
   std::vector<nn::Sequential> stages;
@@ -119,10 +122,11 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
       stage->push_back(nn::Linear(width, width));
       stage->push_back(nn::ReLU());
     }
+    stage->to(dtype);
     pipe->append(stage, devices[static_cast<size_t>(s)]);
     stages.push_back(stage);
   }
-  auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()));
+  auto x = torch::randn({batch, width}, torch::TensorOptions(devices.front()).dtype(dtype));
   auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
   auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
   json r;
@@ -504,6 +508,97 @@ json scaling_workload(const Timer& timer, const torch::Device& device, int64_t w
   return out;
 }
 
+/// Beside each timing "<base>_ms" of `r`: "<base>_tflops" (a training step
+/// counts 3x the forward's flops) and "<base>_of_peak", its share of `peak_tflops`.
+void add_tflops(json& r, double fwd_flops, double peak_tflops) {
+  json extra;
+  for (auto it = r.begin(); it != r.end(); ++it) {
+    const std::string key = it.key();
+    if (!it->is_number() || key.size() < 3 || key.compare(key.size() - 3, 3, "_ms") != 0) continue;
+    const bool train = key.find("train") != std::string::npos || key.find("fwd_bwd") != std::string::npos;
+    const double tflops = (train ? 3 : 1) * fwd_flops / (it->get<double>() * 1e-3) / 1e12;
+    const std::string base = key.substr(0, key.size() - 3);
+    extra[base + "_tflops"] = tflops;
+    extra[base + "_of_peak"] = tflops / peak_tflops;
+  }
+  r.update(extra);
+}
+
+/// A pre-norm transformer block: LayerNorm, QKV, causal attention, projection,
+/// LayerNorm, MLP (4x, GELU), each with a residual.
+struct BlockImpl : nn::Module {
+  BlockImpl(int64_t d, int64_t heads) : heads(heads) {
+    ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})));
+    qkv = register_module("qkv", nn::Linear(d, 3 * d));
+    proj = register_module("proj", nn::Linear(d, d));
+    ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({d})));
+    fc1 = register_module("fc1", nn::Linear(d, 4 * d));
+    fc2 = register_module("fc2", nn::Linear(4 * d, d));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t b = x.size(0), s = x.size(1), d = x.size(2);
+    const auto parts = qkv(ln1(x)).view({b, s, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    const auto q = parts[0], k = parts[1], v = parts[2];
+#if TORCH_VERSION_MAJOR >= 2
+    torch::Tensor a = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, /*is_causal=*/true);
+#else  // LibTorch 1.13: attention written out
+    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d / heads));
+    const auto mask = torch::ones({s, s}, torch::TensorOptions(x.device()).dtype(torch::kBool)).triu(1);
+    torch::Tensor a = torch::matmul(scores.masked_fill(mask, -INFINITY).softmax(-1), v);
+#endif
+    x = x + proj(a.transpose(1, 2).reshape({b, s, d}));
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+  int64_t heads;
+  nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+/// 8 blocks in 4 stages, trained in bf16 autocast (fp32 weights), loss
+/// mean(y^2): plain LibTorch on the whole batch, and mpipe with micro-batches
+/// of 1 and 2 sequences under 1F1B.
+json transformer_workload(const Timer& timer, const torch::Device& device, int64_t d,
+                          int64_t heads, int64_t seq, int64_t batch, double peak_tflops,
+                          bool inline_host) {
+  torch::manual_seed(0);
+  const auto devices = placement(device, 4);
+  std::vector<nn::Sequential> stages;
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(!inline_host));
+  for (int s = 0; s < 4; ++s) {
+    nn::Sequential stage(Block(d, heads), Block(d, heads));
+    pipe->append(stage, devices[static_cast<size_t>(s)]);
+    stages.push_back(stage);
+  }
+  const auto x = torch::randn({batch, seq, d}, torch::TensorOptions(devices.front()));
+  const auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
+  auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+  mpipe::AutocastGuard bf16(device.type(), torch::kBFloat16);
+  json r;
+  r["plain_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    run_plain(stages, devices, x).pow(2).mean().backward();
+  });
+  for (int64_t split : {int64_t{1}, int64_t{2}}) {
+    for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::GPipe}) {
+      const std::string key = std::string("mpipe_") + (schedule == mpipe::Schedule::GPipe ? "gpipe" : "1f1b") +
+                              "_split" + std::to_string(split) + "_train_ms";
+      guarded(r, key, [&] {
+        return timer.median_ms([&] {
+          pipe->zero_grad();
+          pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split).schedule(schedule));
+        });
+      });
+    }
+  }
+  // Forward flops: per token and block, 24 d^2 in the Linears and 4 s d in
+  // attention (counted as if it were not causal).
+  const double fwd = 8.0 * static_cast<double>(batch * seq) *
+                     (24.0 * static_cast<double>(d * d) + 4.0 * static_cast<double>(seq * d));
+  add_tflops(r, fwd, peak_tflops);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -514,7 +609,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--only", cfg.only,
                  "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
-                 "schedules, scaling (the last only when named or with 2+ GPUs)");
+                 "schedules, wide-mlp-bf16, wide-mlp-bf16w, transformer, scaling (the last "
+                 "only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
   app.add_option("--timelines", cfg.timelines,
@@ -556,6 +652,29 @@ int main(int argc, char** argv) {
   if (wanted("wide-mlp")) {
     report("wide-mlp", small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host)
                              : mlp_workload(timer, device, 8192, 8, 8192, 1024, cfg.inline_host));
+  }
+  // bf16: wide-mlp under autocast (fp32 weights) and with bf16 weights; TFLOP/s
+  // against the H200's bf16 figure (790; on a CPU the share means nothing).
+  const double peak = 790;
+  const double wide_fwd = small ? 2.0 * 256 * 256 * 256 * 8 : 2.0 * 8192 * 8192 * 8192 * 8;
+  if (wanted("wide-mlp-bf16")) {
+    mpipe::AutocastGuard bf16(device.type(), torch::kBFloat16);
+    json r = small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host)
+                   : mlp_workload(timer, device, 8192, 8, 8192, 1024, cfg.inline_host);
+    add_tflops(r, wide_fwd, peak);
+    report("wide-mlp-bf16", r);
+  }
+  if (wanted("wide-mlp-bf16w")) {
+    json r = small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host, torch::kBFloat16)
+                   : mlp_workload(timer, device, 8192, 8, 8192, 1024, cfg.inline_host,
+                                  torch::kBFloat16);
+    add_tflops(r, wide_fwd, peak);
+    report("wide-mlp-bf16w", r);
+  }
+  if (wanted("transformer")) {
+    report("transformer", small ? transformer_workload(timer, device, 64, 4, 32, 4, peak, cfg.inline_host)
+                                : transformer_workload(timer, device, 4096, 32, 2048, 8, peak,
+                                                       cfg.inline_host));
   }
   if (wanted("snn-1024")) {
     report("snn-1024", small ? snn_workload(timer, device, 128, 32, 32, cfg.inline_host)

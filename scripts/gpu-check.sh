@@ -3,6 +3,7 @@
 # builds mpipe against it and runs the steps named in MPIPE_GPU_STEPS (default:
 # "tests snn"): tests = every ctest test plus the GPU tests verbosely;
 # mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
+# bf16 = the bf16 rows and the transformer beside the reference class;
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench beside the reference class's bench_seed.py (copied to
 # .devdata/seed) and bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
@@ -72,6 +73,14 @@ if [[ " $steps " == *" bench "* ]]; then
     step compare bash -o pipefail -c "python3 bench/compare.py '$out/mpipe_bench.json' \
       '$out/seed_bench.json' | tee '$out/compare.md'"
   fi
+fi
+if [[ " $steps " == *" bf16 "* ]]; then
+  # bf16 rows (issue 15): wide-mlp under autocast and with bf16 weights, the
+  # transformer workload, and the reference class on the same transformer.
+  step bf16_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --only wide-mlp-bf16,wide-mlp-bf16w,transformer \
+    --json '$out/bf16_bench.json' ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
+  step seed_transformer bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 bench/seed_transformer.py .devdata/seed \
+    --json '$out/seed_transformer.json' 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" scaling "* ]]; then
   # wide-mlp's training throughput on 1, 2 and 4 GPUs, mpipe and the reference class (issue 7).

@@ -434,6 +434,12 @@ void barrier(const distributed::ProcessGroup& group) {
   group.impl()->comm->world->barrier()->wait();
 }
 
+bool any_rank(const distributed::ProcessGroup& group, bool flag) {
+  std::vector<at::Tensor> one{at::full({1}, flag ? 1 : 0, at::kLong)};
+  group.impl()->comm->world->allreduce(one)->wait();
+  return one[0].item<int64_t>() > 0;
+}
+
 void allreduce_replicas(const distributed::ProcessGroup& group, std::vector<at::Tensor> tensors,
                         bool average) {
   const Impl& g = *group.impl();

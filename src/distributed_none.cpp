@@ -23,6 +23,7 @@ std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup&, int
 }
 int64_t next_pipeline_id(const distributed::ProcessGroup&) { unavailable(); }
 void barrier(const distributed::ProcessGroup&) { unavailable(); }
+bool any_rank(const distributed::ProcessGroup&, bool) { unavailable(); }
 void allreduce_replicas(const distributed::ProcessGroup&, std::vector<at::Tensor>, bool) {
   unavailable();
 }

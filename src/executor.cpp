@@ -1,5 +1,6 @@
 #include "executor.h"
 
+#include "autocast.h"
 #include "backward_positions.h"
 #include "errors.h"
 #include "recorder.h"
@@ -179,6 +180,7 @@ struct Executor::Run {
   Transport* transport = nullptr;           // remote, else local
   std::map<std::string, std::shared_ptr<c10::Event>> entries;  // by device: the caller's work
   at::ThreadLocalState tls;
+  AutocastState autocast = AutocastState::current();  // Note [Autocast in the pipeline]
   CallRng rng;
   SkipTable skips;
   Tensors stage0_input;                   // same_input: received once
@@ -405,6 +407,7 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
   }
   Tensors input_grads(sv.inputs.size());
   std::map<std::string, at::Tensor> popped_grads;
+  NoAutocast no_autocast;  // Note [Autocast in the pipeline]
   if (!split) {
     if (!r.empty()) torch::autograd::backward(r, g);
     for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = grad_of(sv.inputs[k]);
@@ -451,6 +454,7 @@ void Executor::weight_action(Run& run, int64_t j, int64_t i) {
   MicroBatchGuard micro_batch({i, call.n_items});
   {
     TaskSpan span(call.recorder, j, i, TaskKind::BackwardWeight, stage.device, stage.compute);
+    NoAutocast no_autocast;
     sv.weights.run();
   }
   sv = Run::Saved{};  // this micro-batch's activations are free now
@@ -495,6 +499,13 @@ bool Executor::run_action(Run& run, const schedules::Op& op) {
 
 void Executor::run_program(Run& run, const schedules::Program& program) {
   at::ThreadLocalStateGuard tls_guard(run.tls);  // the caller's grad mode, dispatch keys, ...
+  AutocastScope autocast(run.autocast);           // ... and autocast (Note [Autocast in the pipeline])
+  struct ClearCasts {
+    bool on;
+    ~ClearCasts() {
+      if (on) clear_autocast_cache();
+    }
+  } clear_casts{run.autocast.any()};
   for (const schedules::Op& op : program) {
     if (!run_action(run, op)) return;
   }

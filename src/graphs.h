@@ -4,6 +4,8 @@
 // graphs]). Compiled only against a CUDA build of LibTorch; with a CPU-only
 // LibTorch, make_graph_cache() returns null and nothing is graphed.
 
+#include "autocast.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
@@ -31,12 +33,13 @@ struct GraphKey {
   std::vector<int64_t> target_sizes;
   c10::ScalarType target_dtype = c10::ScalarType::Undefined;
   bool training = false;   // the module's mode
+  std::string autocast = AutocastState::current().str();  // the caller's autocast state
 
   std::string str() const {
     return c10::str(method, "|", items, "|", reduce, "|", schedule, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
-                    training ? "|train" : "|eval");
+                    training ? "|train" : "|eval", "|", autocast);
   }
 };
 

@@ -105,6 +105,10 @@ void capture(at::cuda::CUDAGraph& graph, const std::function<void()>& before,
   ready.block(side);
   {
     c10::cuda::CUDAStreamGuard stream_guard(side);
+    // Casts made in the graph are not cached (Note [Autocast in the pipeline]).
+    AutocastState no_cache = AutocastState::current();
+    no_cache.cache = false;
+    AutocastScope autocast(no_cache);
     before();
     // Thread-local mode: only this thread is barred from unsafe CUDA calls
     // while capturing; the autograd engine's thread and others run freely.

@@ -58,5 +58,10 @@ void ProcessGroup::barrier() const {
   detail::barrier(*this);
 }
 
+bool ProcessGroup::any(bool flag) const {
+  get(impl_);
+  return detail::any_rank(*this, flag);
+}
+
 }  // namespace distributed
 }  // namespace mpipe

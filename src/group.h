@@ -55,5 +55,7 @@ struct ProcessGroup::Impl {
 namespace detail {
 /// Every rank of the world waits for the others (distributed.cpp).
 void barrier(const distributed::ProcessGroup& group);
+/// Whether `flag` is true on any rank of the world (every rank calls it).
+bool any_rank(const distributed::ProcessGroup& group, bool flag);
 }  // namespace detail
 }  // namespace mpipe

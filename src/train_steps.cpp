@@ -4,6 +4,7 @@
 
 #include "pipeline_state.h"
 
+#include "autocast.h"
 #include "backward_positions.h"
 #include "rng.h"
 #include "scatter.h"
@@ -17,6 +18,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
 
 namespace mpipe {
 
@@ -189,7 +192,7 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
                                                 const std::vector<Input>& in, const at::Tensor& y,
                                                 const LossFunction& loss_fn,
                                                 const detail::CallInfo& info, bool threaded,
-                                                detail::RemoteCall* remote) {
+                                                detail::RemoteCall* remote, double loss_scale) {
   const int64_t rows = info.rows, batch = info.batch;
   const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
   const bool first = !remote || remote->first();
@@ -214,6 +217,8 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
   spec.target = [&](int64_t i) {
     return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
   };
+  const bool scaled = loss_scale != 1.0;
+  std::vector<at::Tensor> unscaled(scaled ? static_cast<size_t>(info.n_items) : 0);
   spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
     TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
                 " tensors; train_step's loss_fn takes one");
@@ -223,6 +228,10 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
                 loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
     loss = loss.reshape({});
     if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+    if (scaled) {  // backward from the scaled loss; the step returns the loss itself
+      unscaled[static_cast<size_t>(i)] = loss.detach();
+      loss = loss * loss_scale;
+    }
     return loss;
   };
   spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
@@ -235,7 +244,9 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
   at::Tensor loss_sum;
   if (last_rank) {  // the step's loss, on the last stage's stream, summed in micro-batch order
     c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
-    for (const auto& l : spec.losses) loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    for (const auto& l : scaled ? unscaled : spec.losses) {
+      loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    }
   }
   executor.join();  // the caller's streams wait for the sum too (and a graph capture joins it)
   // Parameter gradients and the loss are used on the caller's streams now.
@@ -264,6 +275,7 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
       roots.push_back(inputs[k].tensor);
       grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
     }
+    detail::NoAutocast no_autocast;
     torch::autograd::backward(roots, grads);
   }
   replicas.reduce(mean, loss_sum);
@@ -285,6 +297,9 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
                 step.split_size());
     const int64_t n_stages = executor.n_total();
     check_schedule(step, n_stages);
+    TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
+                "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
+                step.loss_scale());
     c.rows = step.split_size();
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     std::vector<int64_t> labels;
@@ -334,7 +349,7 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
         const std::vector<Input> none;
         return step_items(call.first() ? inputs : none, call.first() ? detach(inputs) : none,
                           call.last() ? target.detach() : at::Tensor(), loss_fn, info,
-                          self.options.worker_threads(), &call);
+                          self.options.worker_threads(), &call, step.loss_scale());
       });
     });
   }
@@ -351,10 +366,12 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
       check_checkpointable("train_step");
     }
     const std::vector<Input> detached = detach(inputs);
-    const bool graphed = graphable_call && inputs.size() == 1 && !any_grad;
+    // A scaled step runs eagerly: the scale changes as training goes.
+    const bool graphed =
+        graphable_call && inputs.size() == 1 && !any_grad && step.loss_scale() == 1.0;
     if (!graphed) {
       return step_items(inputs, detached, target.detach(), loss_fn, info,
-                        self.options.worker_threads(), nullptr);
+                        self.options.worker_threads(), nullptr, step.loss_scale());
     }
     GraphKey key;
     key.method = "train_step";
@@ -429,6 +446,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
       loss = loss.reshape({});
       std::string failure;
       try {
+        detail::NoAutocast no_autocast;  // Note [Autocast in the pipeline]
         torch::autograd::backward({loss});
       } catch (const c10::Error& e) {
         failure = e.what_without_backtrace();
@@ -568,7 +586,10 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
     }
     phase = "backward";
     item = -1;
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    if (!roots.empty()) {
+      detail::NoAutocast no_autocast;
+      torch::autograd::backward(roots, grads);
+    }
     executor.join();
     if (!call.first()) {
       for (int64_t t = 0; t < info.n_items; ++t) {

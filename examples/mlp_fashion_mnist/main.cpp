@@ -27,6 +27,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 
 namespace {
 
@@ -41,6 +42,8 @@ struct Config {
   std::string schedule = "1f1b";
   std::string checkpoint = "never";
   std::string balance = "none";  // none: the fixed 4-stage split; time or memory: balanced
+  std::string precision = "fp32";  // fp32, bf16 or fp16 (autocast over fp32 weights)
+  bool grad_scaler = false;        // loss scaling (always on with fp16)
   mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
@@ -133,6 +136,15 @@ int run(Config cfg) {
   const double mean = train.images.mean().item<double>(), std = train.images.std().item<double>();
   for (auto* ds : {&train, &test}) ds->images = (ds->images - mean) / std;
 
+  if (cfg.precision == "fp16" && !cuda) {
+    throw std::runtime_error("--precision fp16 needs CUDA stages (CPU autocast is bf16 only)");
+  }
+  // Mixed precision: autocast reaches every stage; fp16 needs loss scaling.
+  std::unique_ptr<mpipe::AutocastGuard> autocast;
+  if (cfg.precision != "fp32") {
+    autocast = std::make_unique<mpipe::AutocastGuard>(
+        devices.front().type(), cfg.precision == "fp16" ? torch::kHalf : torch::kBFloat16);
+  }
   cfg.group = examples::group_from_env();
   const bool report = examples::reports(cfg.group);
   auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
@@ -141,16 +153,22 @@ int run(Config cfg) {
                         : cfg.schedule == "auto"  ? mpipe::Schedule::Auto
                                                   : mpipe::Schedule::OneFOneB;
   std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s%s, hidden %lld, %lld train / %lld "
-              "test images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s\n",
+              "test images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s, %s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
               cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
                                      " processes").c_str()
                                   : "",
               static_cast<long long>(cfg.hidden), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
-              static_cast<long long>(cfg.split), cfg.schedule.c_str(), cfg.checkpoint.c_str());
+              static_cast<long long>(cfg.split), cfg.schedule.c_str(), cfg.checkpoint.c_str(),
+              cfg.precision.c_str(), cfg.grad_scaler || cfg.precision == "fp16" ? " + loss scaling" : "");
 
   torch::optim::Adam opt(pipe->parameters(), torch::optim::AdamOptions(cfg.lr));
+  // Every rank skips the same steps: the group joins the inf/NaN checks.
+  mpipe::GradScaler scaler(mpipe::GradScalerOptions()
+                               .enabled(cfg.grad_scaler || cfg.precision == "fp16")
+                               .process_group(cfg.group));
+  int64_t skipped = 0;
   auto loss_fn = [](const torch::Tensor& logits, const torch::Tensor& labels) {
     return torch::nn::functional::cross_entropy(logits, labels);
   };
@@ -171,13 +189,19 @@ int run(Config cfg) {
       examples::set_cosine_lr<torch::optim::AdamOptions>(opt, cfg.lr, step, total_steps);
       opt.zero_grad();
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
-      const auto loss =
-          pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(cfg.split).schedule(schedule));
+      const auto loss = pipe->train_step(
+          x, y, loss_fn,
+          mpipe::TrainStepOptions(cfg.split).schedule(schedule).loss_scale(scaler.get_scale()));
       if (loss.defined()) loss_sum += loss * n;  // the last rank's, across processes
       if (recorded) examples::end_recorded_step(pipe, common);
-      opt.step();
+      skipped += scaler.step(opt) ? 0 : 1;  // opt.step() unless a gradient overflowed
+      scaler.update();
     }
     const double mean_loss = loss_sum.item<double>() / train.size();
+    if (scaler.is_enabled() && report) {
+      std::printf("loss scale %g, %lld steps skipped so far\n", scaler.get_scale(),
+                  static_cast<long long>(skipped));
+    }
     const double epoch_train_s = examples::seconds_since(t_epoch);
     train_seconds += epoch_train_s;
     const double train_acc = evaluate(pipe, train, cfg.split);
@@ -220,6 +244,10 @@ int main(int argc, char** argv) {
                  "none (a fixed split), or split the layers into 4 stages by profiled time or "
                  "memory (with Adam's state)")
       ->check(CLI::IsMember({"none", "time", "memory"}));
+  app.add_option("--precision", cfg.precision,
+                 "fp32, bf16 (autocast) or fp16 (autocast with loss scaling; CUDA only)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_flag("--grad-scaler", cfg.grad_scaler, "scale the loss (mpipe::GradScaler) at any precision");
   examples::add_common_flags(app, cfg.common,
                              "a brief run: hidden 256, 6000 train / 2000 test images");
   CLI11_PARSE(app, argc, argv);

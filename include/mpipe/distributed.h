@@ -86,6 +86,9 @@ class ProcessGroup {
   std::string rank_path(const std::string& path) const;
   /// Returns once every rank of the world has called it.
   void barrier() const;
+  /// Whether `flag` is true on any rank of the world; every rank calls it
+  /// (GradScaler uses it so that all ranks skip the same steps).
+  bool any(bool flag) const;
 
   struct Impl;
   const std::shared_ptr<Impl>& impl() const noexcept { return impl_; }

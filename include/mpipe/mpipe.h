@@ -2,10 +2,12 @@
 
 // Everything mpipe offers, in one include.
 
+#include <mpipe/autocast.h>
 #include <mpipe/balance.h>
 #include <mpipe/batchnorm.h>
 #include <mpipe/checkpoint.h>
 #include <mpipe/device.h>
+#include <mpipe/grad_scaler.h>
 #include <mpipe/memory.h>
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>

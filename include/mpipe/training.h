@@ -82,6 +82,10 @@ struct TrainStepOptions {
   TORCH_ARG(std::vector<double>, activation_bytes) = {};
   /// Auto: the most activation memory a device may hold, in bytes (0: no limit).
   TORCH_ARG(double, memory_limit) = 0;
+  /// Backward runs from the loss times this (loss scaling for fp16, e.g.
+  /// GradScaler::get_scale()); the step still returns the unscaled loss. A
+  /// step with a scale other than 1 is never replayed from a CUDA graph.
+  TORCH_ARG(double, loss_scale) = 1.0;
 };
 
 /// The programs `s` gives n_stages stages (not Auto), one per worker.

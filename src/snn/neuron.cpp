@@ -13,13 +13,14 @@ namespace snn {
 
 NeuronBase::NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
                        bool detach_reset, Surrogate surrogate, bool fused,
-                       ChargeKind charge_kind, double tau)
+                       bool float_membrane, ChargeKind charge_kind, double tau)
     : name_(name),
       v_threshold_(v_threshold),
       v_reset_(v_reset),
       detach_reset_(detach_reset),
       surrogate_(surrogate),
       fused_(fused),
+      float_membrane_(float_membrane),
       charge_kind_(charge_kind),
       tau_(tau) {
   TORCH_CHECK(std::isfinite(v_threshold), "mpipe::snn::", name,
@@ -28,10 +29,18 @@ NeuronBase::NeuronBase(const char* name, double v_threshold, std::optional<doubl
               ": v_reset must be finite (or nullopt for soft reset), got ", *v_reset);
 }
 
-at::Tensor NeuronBase::forward(const at::Tensor& x) {
-  TORCH_CHECK(x.defined(), "mpipe::snn::", name_, ": the input is undefined");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "mpipe::snn::", name_,
-              ": the input must be floating point, got ", x.scalar_type());
+at::Tensor NeuronBase::forward(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.defined(), "mpipe::snn::", name_, ": the input is undefined");
+  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()), "mpipe::snn::", name_,
+              ": the input must be floating point, got ", x_in.scalar_type());
+  const bool widen = float_membrane_ && (x_in.scalar_type() == at::kHalf ||
+                                         x_in.scalar_type() == at::kBFloat16);
+  const at::Tensor x = widen ? x_in.to(at::kFloat) : x_in;
+  at::Tensor spike = step(x);
+  return widen ? spike.to(x_in.scalar_type()) : spike;
+}
+
+at::Tensor NeuronBase::step(const at::Tensor& x) {
   at::Tensor& v = v_.get();
   if (!v.defined()) {
     v = at::full_like(x, v_reset_.value_or(0.0));
@@ -60,7 +69,7 @@ at::Tensor NeuronBase::forward(const at::Tensor& x) {
     return std::move(out.first);
   }
   v = charge(v, x);
-  at::Tensor spike = surrogate_(v - v_threshold_);
+  const at::Tensor spike = surrogate_(v - v_threshold_);
   const at::Tensor s = detach_reset_ ? spike.detach() : spike;
   if (v_reset_) {
     v = v * (1 - s) + s * *v_reset_;
@@ -83,7 +92,8 @@ void NeuronBase::print_common(std::ostream& stream) const {
 
 IFNodeImpl::IFNodeImpl(IFNodeOptions options_)
     : NeuronBase("IFNode", options_.v_threshold(), options_.v_reset(), options_.detach_reset(),
-                 options_.surrogate(), options_.fused(), ChargeKind::IF, 1.0),
+                 options_.surrogate(), options_.fused(), options_.float_membrane(),
+                 ChargeKind::IF, 1.0),
       options(options_) {}
 
 at::Tensor IFNodeImpl::charge(const at::Tensor& v, const at::Tensor& x) const { return v + x; }
@@ -96,7 +106,7 @@ void IFNodeImpl::pretty_print(std::ostream& stream) const {
 
 LIFNodeImpl::LIFNodeImpl(LIFNodeOptions options_)
     : NeuronBase("LIFNode", options_.v_threshold(), options_.v_reset(), options_.detach_reset(),
-                 options_.surrogate(), options_.fused(),
+                 options_.surrogate(), options_.fused(), options_.float_membrane(),
                  options_.decay_input() ? ChargeKind::LIFDecayInput : ChargeKind::LIF,
                  options_.tau()),
       options(options_) {

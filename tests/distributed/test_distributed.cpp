@@ -8,7 +8,9 @@
 
 #include "../common.h"
 
+#include <mpipe/autocast.h>
 #include <mpipe/distributed.h>
+#include <mpipe/grad_scaler.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -167,6 +169,56 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
       }
     }
   }
+}
+
+TEST(Distributed, AutocastAndLossScalingWorkAcrossRanks) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t ranks = group().pipeline_size();
+  auto stages = make_model(ranks + 1);
+  for (auto& st : stages) st->to(torch::kFloat);
+  auto reference = make_model(ranks + 1);
+  for (auto& st : reference) st->to(torch::kFloat);
+  const at::Tensor x = input(8).to(torch::kFloat);
+  {  // every rank enters the same autocast state; the stages run under it
+    torch::NoGradGuard no_grad;
+    mpipe::AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    auto pipe = make_pipe(stages);
+    const at::Tensor out = pipe->forward(group().is_first() ? x : at::Tensor(), 8);
+    const at::Tensor want = plain(reference, x);
+    if (group().is_last()) {
+      ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+      EXPECT_TRUE(torch::allclose(out.to(torch::kFloat), want.to(torch::kFloat), 1e-2, 1e-2));
+    }
+  }
+  // loss_scale: the gradients of the scaled loss; the scaler brings them back
+  // and every rank skips the step when one rank's gradients overflow.
+  auto pipe = make_pipe(stages);
+  torch::manual_seed(5);
+  const at::Tensor y = torch::randn({8, 3});
+  const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
+                                           group().is_last() ? y : at::Tensor(), mse,
+                                           mpipe::TrainStepOptions(2).loss_scale(256));
+  const at::Tensor want = mse(plain(reference, x), y);
+  want.backward();
+  if (group().is_last()) {
+    EXPECT_TRUE(torch::allclose(loss, want.detach(), 1e-6, 1e-7)) << "the loss is not scaled";
+  }
+  const int64_t first = group().stage_range(ranks + 1).first;
+  for (size_t k = 0; k < pipe->size(); ++k) {
+    const auto got = pipe->stage(k)->parameters();
+    const auto ref = reference[static_cast<size_t>(first) + k]->parameters();
+    for (size_t p = 0; p < got.size(); ++p) {
+      EXPECT_TRUE(torch::allclose(got[p].grad(), ref[p].grad() * 256, 1e-5, 1e-6));
+    }
+  }
+  torch::optim::SGD opt(pipe->parameters(), 0.1);
+  mpipe::GradScaler scaler(mpipe::GradScalerOptions().init_scale(256).process_group(group()));
+  if (group().rank() == 0) pipe->parameters()[0].mutable_grad()[0][0] = NAN;
+  const auto before = pipe->parameters()[0].detach().clone();
+  EXPECT_FALSE(scaler.step(opt)) << "rank 0's NaN skips the step on rank " << group().rank();
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 128);
+  EXPECT_TRUE(torch::equal(pipe->parameters()[0].detach(), before));
 }
 
 TEST(Distributed, ConstantTrainStepWithStateEqualsAPlainLoop) {

@@ -9,8 +9,9 @@
 //           soft (v_reset = nullopt): v = v - v_threshold * s
 // detach_reset uses s.detach() inside the reset. The membrane potential is
 // kept per micro-batch (Note [Per-micro-batch state] in mpipe/state.h), starts
-// at v_reset (0 for soft reset), follows the input's device and dtype, and is
-// cleared by reset_state() or mpipe::reset_states(model).
+// at v_reset (0 for soft reset), follows the input's device and dtype (float32
+// for half and bfloat16 input, unless float_membrane(false)), and is cleared
+// by reset_state() or mpipe::reset_states(model).
 //
 // By default (options.fused) a step runs as one fused kernel forward and one
 // backward (on the CPU, and on CUDA when mpipe was built with its kernels);
@@ -39,6 +40,11 @@ struct IFNodeOptions {
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
   /// One fused kernel per step and direction instead of separate ATen ops.
   TORCH_ARG(bool, fused) = true;
+  /// With half or bfloat16 input, keep the membrane potential in float32 and
+  /// compute the step in float32 (the spikes, exactly 0 or 1, come back in the
+  /// input's dtype): a membrane summed over many steps in 8 bits of mantissa
+  /// drifts. Costs two casts per step; false keeps everything in the input's dtype.
+  TORCH_ARG(bool, float_membrane) = true;
 };
 
 struct LIFNodeOptions {
@@ -51,6 +57,11 @@ struct LIFNodeOptions {
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
   /// One fused kernel per step and direction instead of separate ATen ops.
   TORCH_ARG(bool, fused) = true;
+  /// With half or bfloat16 input, keep the membrane potential in float32 and
+  /// compute the step in float32 (the spikes, exactly 0 or 1, come back in the
+  /// input's dtype): a membrane summed over many steps in 8 bits of mantissa
+  /// drifts. Costs two casts per step; false keeps everything in the input's dtype.
+  TORCH_ARG(bool, float_membrane) = true;
 };
 
 /// What IF and LIF share: state per micro-batch, fire, reset.
@@ -71,9 +82,11 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   /// How the fused step charges (the ATen path calls charge()).
   enum class ChargeKind { IF, LIFDecayInput, LIF };
   NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
-             bool detach_reset, Surrogate surrogate, bool fused, ChargeKind charge_kind,
-             double tau);
+             bool detach_reset, Surrogate surrogate, bool fused, bool float_membrane,
+             ChargeKind charge_kind, double tau);
   virtual at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const = 0;
+  /// One step in x's dtype.
+  at::Tensor step(const at::Tensor& x);
   void print_common(std::ostream& stream) const;
 
   const char* name_;
@@ -82,6 +95,7 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   bool detach_reset_;
   Surrogate surrogate_;
   bool fused_;
+  bool float_membrane_;
   ChargeKind charge_kind_;
   double tau_;
 

@@ -1,0 +1,84 @@
+#pragma once
+
+// Private: the caller's autocast state, carried to the stage workers.
+//
+// Note [Autocast in the pipeline]
+// Autocast is thread-local. LibTorch's ThreadLocalState, which the workers
+// take from the caller, carries whether autocast is on (dispatch keys) but,
+// in LibTorch 1.13, not its lower-precision dtypes nor whether casts are
+// cached, so a worker could cast to fp16 while its caller asked for bf16.
+// Each call therefore captures the whole state (AutocastState::current) and
+// every worker runs its program under it (AutocastScope). Forward, the
+// recompute of a checkpointed stage and the loss run under it; autograd's
+// backward runs with autocast off, as PyTorch recommends (backward ops run in
+// the dtypes their forward ops chose). A worker clears its cast cache at the
+// end of each call: the cache keys on the weights, which an optimizer step
+// changes in place, and nothing else would ever clear a worker's cache (the
+// caller's is cleared when the caller leaves its autocast region). A CUDA
+// graph is captured with the cache off, as torch.cuda.make_graphed_callables
+// asks, and the state is part of the graph's key.
+
+#include <c10/core/ScalarType.h>
+
+#include <string>
+
+namespace mpipe {
+namespace detail {
+
+struct AutocastState {
+  bool cpu = false;
+  bool cuda = false;
+  c10::ScalarType cpu_dtype = c10::ScalarType::BFloat16;
+  c10::ScalarType cuda_dtype = c10::ScalarType::Half;
+  bool cache = true;
+
+  /// This thread's state.
+  static AutocastState current();
+  /// Autocast off on every device (the dtypes and the cache flag kept).
+  AutocastState off() const {
+    AutocastState s = *this;
+    s.cpu = s.cuda = false;
+    return s;
+  }
+  bool any() const { return cpu || cuda; }
+  /// Makes this thread's state equal to this one.
+  void apply() const;
+  /// For cache keys: "" when autocast is off.
+  std::string str() const;
+};
+
+/// Runs a scope under `state`, then puts the thread's previous state back.
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state) : previous_(AutocastState::current()) {
+    state.apply();
+  }
+  ~AutocastScope() { previous_.apply(); }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  AutocastState previous_;
+};
+
+/// Autocast off for a scope (autograd's backward).
+class NoAutocast {
+ public:
+  NoAutocast() : previous_(AutocastState::current()) {
+    if (previous_.any()) previous_.off().apply();
+  }
+  ~NoAutocast() {
+    if (previous_.any()) previous_.apply();
+  }
+  NoAutocast(const NoAutocast&) = delete;
+  NoAutocast& operator=(const NoAutocast&) = delete;
+
+ private:
+  AutocastState previous_;
+};
+
+/// Drops this thread's cached casts.
+void clear_autocast_cache();
+
+}  // namespace detail
+}  // namespace mpipe

@@ -1,0 +1,595 @@
+// Mixed precision: the caller's autocast state reaching every stage of every
+// call kind (threaded and inline, with checkpointing), stages with bf16
+// weights, loss scaling (GradScaler and TrainStepOptions::loss_scale), and
+// the neurons in half and bfloat16 against their ATen path.
+
+#include "common.h"
+
+#include <mpipe/autocast.h>
+#include <mpipe/grad_scaler.h>
+#include <mpipe/snn.h>
+
+#include <cmath>
+#include <limits>
+
+using namespace mpipe_test;
+using mpipe::AutocastGuard;
+using mpipe::Checkpoint;
+using mpipe::GradScaler;
+using mpipe::GradScalerOptions;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::Schedule;
+using mpipe::TrainStepOptions;
+
+namespace {
+
+/// |a - b| <= rtol * max(1, max |b|), both converted to double.
+void expect_rel(const torch::Tensor& a, const torch::Tensor& b, double rtol,
+                const std::string& what) {
+  ASSERT_TRUE(a.defined() && b.defined()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const auto da = a.detach().cpu().to(torch::kDouble), db = b.detach().cpu().to(torch::kDouble);
+  const double scale = std::max(1.0, db.abs().max().item<double>());
+  const double diff = (da - db).abs().max().item<double>();
+  EXPECT_LE(diff, rtol * scale) << what << ": max |a - b| = " << diff << ", scale " << scale;
+}
+
+void expect_rel_grads(const std::map<std::string, torch::Tensor>& a,
+                      const std::map<std::string, torch::Tensor>& b, double rtol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& kv : a) {
+    ASSERT_TRUE(kv.second.defined() && b.at(kv.first).defined()) << kv.first;
+    expect_rel(kv.second, b.at(kv.first), rtol, "grad of " + kv.first);
+  }
+}
+
+/// Three stages in float32: Linear+Tanh, a stateful Linear+leaky stage, Linear.
+struct Model {
+  explicit Model(int64_t width) {
+    stages.push_back(mlp_stage(width, width, 1));
+    torch::nn::Sequential leaky;
+    leaky->push_back(Leaky(width, 0.6));
+    stages.push_back(leaky);
+    torch::nn::Sequential last;
+    last->push_back(torch::nn::Linear(width, width));
+    stages.push_back(last);
+  }
+  ModelPipeline pipeline(bool threads, Checkpoint checkpoint = Checkpoint::Never) const {
+    ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
+    for (auto s : stages) pipe->append(s, "cpu");
+    return pipe;
+  }
+  torch::Tensor plain(torch::Tensor x) const {
+    for (auto s : stages) x = s->forward(x);
+    return x;
+  }
+  void reset() const {
+    for (auto s : stages) mpipe::reset_states(*s);
+  }
+  std::map<std::string, torch::Tensor> grads() const {
+    std::map<std::string, torch::Tensor> out;
+    for (size_t j = 0; j < stages.size(); ++j) {
+      for (const auto& kv : grads_of(*torch::nn::Sequential(stages[j]))) out[std::to_string(j) + "." + kv.first] = kv.second;
+    }
+    return out;
+  }
+  void zero() const {
+    for (auto s : stages) zero_grads(*s);
+  }
+  std::vector<torch::nn::Sequential> stages;
+};
+
+/// The rows of micro-batch i of `x` split `split` rows at a time.
+torch::Tensor rows(const torch::Tensor& x, int64_t i, int64_t split) {
+  return x.narrow(0, i * split, std::min(split, x.size(0) - i * split));
+}
+
+class AutocastCall : public ::testing::TestWithParam<bool> {};
+
+}  // namespace
+
+TEST(Autocast, GuardSetsAndRestoresTheThreadsState) {
+  auto probe = [] {  // what a Linear returns is the state's witness
+    torch::NoGradGuard no_grad;
+    return torch::nn::Linear(2, 2)(torch::ones({1, 2})).scalar_type();
+  };
+  EXPECT_EQ(probe(), torch::kFloat);
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(probe(), torch::kBFloat16);
+    {
+      AutocastGuard off(torch::kCPU, torch::kBFloat16, /*enabled=*/false);
+      EXPECT_EQ(probe(), torch::kFloat);
+    }
+    EXPECT_EQ(probe(), torch::kBFloat16);
+  }
+  EXPECT_EQ(probe(), torch::kFloat);
+  MPIPE_EXPECT_ERROR((void)AutocastGuard(torch::kCPU, torch::kFloat), "BFloat16 or Half", "Float");
+  MPIPE_EXPECT_ERROR((void)AutocastGuard(torch::kMeta), "CPU or CUDA");
+  EXPECT_EQ(probe(), torch::kFloat) << "a refused guard changes nothing";
+}
+
+TEST_P(AutocastCall, ForwardCallsRunEveryStageUnderTheCallersAutocast) {
+  torch::manual_seed(31);
+  const Model model(16);
+  auto pipe = model.pipeline(GetParam());
+  const auto x = torch::randn({12, 16});
+  torch::NoGradGuard no_grad;
+  AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+  {  // forward, 3 micro-batches of 4 rows
+    model.reset();
+    const auto y = pipe->forward(x, 4);
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16) << "the last stage's Linear ran under autocast";
+    std::vector<torch::Tensor> parts;
+    for (int64_t i = 0; i < 3; ++i) {
+      model.reset();
+      parts.push_back(model.plain(rows(x, i, 4)));
+    }
+    expect_close(y, torch::cat(parts), 0, "forward");
+  }
+  for (bool reduce : {true, false}) {  // constant_forward: 5 steps, state carried
+    SCOPED_TRACE(reduce ? "reduce" : "no reduce");
+    model.reset();
+    const auto y = pipe->constant_forward(x, 5, reduce);
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    model.reset();
+    std::vector<torch::Tensor> outs;
+    for (int t = 0; t < 5; ++t) outs.push_back(model.plain(x));
+    expect_rel(y, reduce ? torch::stack(outs).sum(0) : torch::cat(outs), reduce ? 2e-2 : 0,
+               "constant_forward");
+  }
+  {  // sequence_forward: 4 steps, time-major
+    const auto seq = torch::randn({4, 6, 16});
+    model.reset();
+    const auto y = pipe->sequence_forward(seq);
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    model.reset();
+    std::vector<torch::Tensor> outs;
+    for (int64_t t = 0; t < 4; ++t) outs.push_back(model.plain(seq[t]));
+    expect_close(y, torch::stack(outs), 0, "sequence_forward");
+  }
+  model.reset();
+}
+
+TEST_P(AutocastCall, TrainStepMatchesPlainAutocastUnderEveryScheduleAndCheckpointing) {
+  torch::manual_seed(32);
+  const Model model(16);
+  const auto x = torch::randn({12, 16});
+  const auto target = torch::randn({12, 16});
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  // The reference: the same micro-batches under autocast, one backward each
+  // outside it. Casts are not cached on either side, so each micro-batch has
+  // its own cast of the weights, as each of the pipeline's backwards does.
+  model.zero();
+  torch::Tensor loss_ref;
+  for (int64_t i = 0; i < 3; ++i) {
+    torch::Tensor loss;
+    model.reset();
+    {
+      AutocastGuard bf16(torch::kCPU, torch::kBFloat16, true, /*cache=*/false);
+      loss = loss_fn(model.plain(rows(x, i, 4)), rows(target, i, 4)) * (4.0 / 12);
+    }
+    EXPECT_EQ(loss.scalar_type(), torch::kFloat) << "mse_loss runs in float32 under autocast";
+    loss.backward();
+    loss_ref = loss_ref.defined() ? loss_ref + loss.detach() : loss.detach();
+  }
+  const auto grads_ref = model.grads();
+  model.zero();
+  model.reset();
+  for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
+    auto pipe = model.pipeline(GetParam(), checkpoint);
+    for (auto schedule : all_schedules()) {
+      SCOPED_TRACE(schedule_name(schedule) +
+                   (checkpoint == Checkpoint::Never ? "" : ", checkpointed"));
+      torch::Tensor loss;
+      {
+        AutocastGuard bf16(torch::kCPU, torch::kBFloat16, true, /*cache=*/false);
+        loss = pipe->train_step(x, target, loss_fn, schedule_options(schedule, 4, 3));
+      }
+      // A stage run in float32 (no autocast on its worker, or in its
+      // recompute) would move these by ~1e-3.
+      expect_rel(loss, loss_ref, 1e-5, "loss");
+      expect_rel_grads(model.grads(), grads_ref, 1e-5);
+      model.zero();
+      model.reset();
+    }
+  }
+}
+
+TEST_P(AutocastCall, ConstantTrainStepMatchesPlainAutocast) {
+  torch::manual_seed(33);
+  const Model model(8);
+  auto pipe = model.pipeline(GetParam());
+  const auto x = torch::randn({5, 8});
+  const auto target = torch::randn({5, 8});
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+    return (o / 3 - t).pow(2).mean();
+  };
+  torch::Tensor loss;
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16, true, /*cache=*/false);
+    loss = pipe->constant_train_step(x, 3, target, loss_fn);
+  }
+  const auto grads = model.grads();
+  model.zero();
+  model.reset();
+  torch::Tensor loss_ref;
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16, true, /*cache=*/false);
+    torch::Tensor out;
+    for (int t = 0; t < 3; ++t) {
+      auto y = model.plain(x);
+      out = out.defined() ? out + y : y;
+    }
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    loss_ref = loss_fn(out, target);
+  }
+  loss_ref.backward();
+  // bf16 sums over the time steps, in another order: a few bf16 ulps apart at
+  // most (a float32 stage would be ~1e-2 apart).
+  expect_rel(loss, loss_ref, 1e-5, "loss");
+  expect_rel_grads(grads, model.grads(), 1e-3);
+  model.zero();
+  model.reset();
+}
+
+TEST_P(AutocastCall, WorkersKeepNoCastOfOldWeightsBetweenCalls) {
+  // Casts are cached by default. The caller's cache goes when it leaves its
+  // autocast scope; a worker's must go at the end of each call, or the next
+  // call would use the bf16 copy of weights an optimizer has since changed.
+  torch::manual_seed(34);
+  const Model model(16);
+  auto pipe = model.pipeline(GetParam());
+  const auto x = torch::randn({8, 16});
+  torch::NoGradGuard no_grad;
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    pipe->forward(x, 4);
+  }
+  for (auto& p : pipe->parameters()) p.add_(0.5);  // an optimizer step, in place
+  model.reset();
+  torch::Tensor y, ref;
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    y = pipe->forward(x, 8);
+  }
+  model.reset();
+  {
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    ref = model.plain(x);
+  }
+  model.reset();
+  expect_close(y, ref, 0, "the second call sees the new weights");
+}
+
+TEST_P(AutocastCall, StagesWithBFloat16WeightsMatchThePlainModel) {
+  torch::manual_seed(35);
+  Model model(16);
+  for (auto& s : model.stages) s->to(torch::kBFloat16);
+  const auto x = torch::randn({8, 16}).to(torch::kBFloat16);
+  const auto target = torch::randn({8, 16}).to(torch::kBFloat16);
+  for (auto checkpoint : {Checkpoint::Never, Checkpoint::ExceptLast}) {
+    auto pipe = model.pipeline(GetParam(), checkpoint);
+    {
+      torch::NoGradGuard no_grad;
+      model.reset();
+      const auto y = pipe->forward(x, 8);
+      EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+      model.reset();
+      expect_close(y, model.plain(x), 0, "forward");
+    }
+    auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+      return (o - t).pow(2).mean();  // LibTorch 1.13's CPU mse_loss has no bf16 kernel
+    };
+    for (auto schedule : all_schedules()) {
+      SCOPED_TRACE(schedule_name(schedule));
+      model.reset();
+      // One micro-batch: the same operations as the plain model, in bf16.
+      const auto loss = pipe->train_step(x, target, loss_fn, schedule_options(schedule, 8, 3));
+      EXPECT_EQ(loss.scalar_type(), torch::kBFloat16);
+      const auto grads = model.grads();
+      model.zero();
+      model.reset();
+      auto ref = loss_fn(model.plain(x), target);
+      ref.backward();
+      expect_close(loss, ref, 0, "loss");
+      for (const auto& kv : model.grads()) {
+        EXPECT_EQ(grads.at(kv.first).scalar_type(), torch::kBFloat16) << kv.first;
+        expect_close(grads.at(kv.first), kv.second, 0, "grad of " + kv.first);
+      }
+      model.zero();
+      // Two micro-batches: bf16 gradients summed in another order.
+      model.reset();
+      pipe->train_step(x, target, loss_fn, schedule_options(schedule, 4, 3));
+      const auto split_grads = model.grads();
+      model.zero();
+      expect_rel_grads(split_grads, grads, 3e-2);
+    }
+  }
+  model.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, AutocastCall, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Threads" : "Inline";
+                         });
+
+#ifdef MPIPE_TEST_WITH_CUDA
+TEST(AutocastCuda, EveryCallKindInBFloat16EagerAndGraphed_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(36);
+  Model model(64);
+  for (auto& s : model.stages) s->to(torch::kCUDA);
+  const auto x = torch::randn({32, 64}, torch::kCUDA);
+  const auto target = torch::randn({32, 64}, torch::kCUDA);
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  for (bool graphs : {false, true}) {
+    for (bool threads : {true, false}) {
+      SCOPED_TRACE(std::string(graphs ? "graphed" : "eager") + (threads ? ", threads" : ", inline"));
+      ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads).cuda_graphs(graphs));
+      for (auto s : model.stages) pipe->append(s, "cuda:0");
+      {
+        torch::NoGradGuard no_grad;
+        AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+        for (int rep = 0; rep < 2; ++rep) {  // graphed: capture, then replay
+          model.reset();
+          const auto y = pipe->forward(x, 8);
+          EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+          std::vector<torch::Tensor> parts;
+          for (int64_t i = 0; i < 4; ++i) {
+            model.reset();
+            parts.push_back(model.plain(rows(x, i, 8)));
+          }
+          expect_rel(y, torch::cat(parts), 1e-2, "forward");
+          model.reset();
+          const auto c = pipe->constant_forward(x, 3, false);
+          EXPECT_EQ(c.scalar_type(), torch::kBFloat16);
+        }
+      }
+      model.zero();
+      torch::Tensor ref_loss;
+      for (int64_t i = 0; i < 4; ++i) {
+        model.reset();
+        torch::Tensor l;
+        {
+          AutocastGuard bf16(torch::kCUDA, torch::kBFloat16, true, false);
+          l = loss_fn(model.plain(rows(x, i, 8)), rows(target, i, 8)) * 0.25;
+        }
+        l.backward();
+        ref_loss = ref_loss.defined() ? ref_loss + l.detach() : l.detach();
+      }
+      const auto ref = model.grads();
+      model.zero();
+      for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+        model.reset();
+        torch::Tensor loss;
+        {
+          AutocastGuard bf16(torch::kCUDA, torch::kBFloat16, true, false);
+          loss = pipe->train_step(x, target, loss_fn, schedule_options(schedule, 8, 3));
+        }
+        expect_rel(loss, ref_loss, 1e-3, "loss");
+        expect_rel_grads(model.grads(), ref, 1e-3);
+        model.zero();
+      }
+    }
+  }
+  model.reset();
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// Loss scaling.
+
+namespace {
+torch::nn::Linear small_linear() {
+  torch::manual_seed(41);
+  return torch::nn::Linear(4, 3);
+}
+}  // namespace
+
+TEST(GradScaler, UnscalesBeforeTheStepAndGrowsAfterGoodSteps) {
+  auto net = small_linear(), ref = small_linear();
+  torch::optim::SGD opt(net->parameters(), 0.1), opt_ref(ref->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+  const auto x = torch::randn({5, 4});
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    opt_ref.zero_grad();
+    const double s = scaler.get_scale();
+    auto loss = net(x).pow(2).mean();
+    auto scaled = scaler.scale(loss);
+    EXPECT_DOUBLE_EQ(scaled.item<double>(), loss.item<double>() * s);
+    scaled.backward();
+    EXPECT_TRUE(scaler.step(opt));
+    scaler.update();
+    ref(x).pow(2).mean().backward();
+    opt_ref.step();
+    for (size_t k = 0; k < ref->parameters().size(); ++k) {
+      expect_close(net->parameters()[k], ref->parameters()[k], 1e-6, "parameter after step");
+    }
+  }
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 2048) << "grown once after 2 good steps";
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+}
+
+TEST(GradScaler, SkipsStepsWithInfOrNanAndBacksOff) {
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    auto net = small_linear();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    GradScaler scaler(GradScalerOptions().init_scale(256));
+    const auto before = net->weight.detach().clone();
+    scaler.scale(net(torch::randn({2, 4})).sum()).backward();
+    net->bias.mutable_grad()[1] = bad;  // an overflow
+    scaler.unscale_(opt);
+    EXPECT_TRUE(scaler.found_inf(opt));
+    EXPECT_FALSE(scaler.step(opt)) << "the step is skipped";
+    expect_close(net->weight, before, 0, "weights untouched");
+    scaler.update();
+    EXPECT_DOUBLE_EQ(scaler.get_scale(), 128);
+    EXPECT_EQ(scaler.growth_tracker(), 0);
+  }
+}
+
+TEST(GradScaler, MisuseIsRefusedAndOptionsChecked) {
+  auto net = small_linear();
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler scaler;
+  MPIPE_EXPECT_ERROR(scaler.update(), "no unscale_() or step()");
+  scaler.scale(net(torch::randn({2, 4})).sum()).backward();
+  scaler.unscale_(opt);
+  MPIPE_EXPECT_ERROR(scaler.unscale_(opt), "already called");
+  EXPECT_TRUE(scaler.step(opt));
+  MPIPE_EXPECT_ERROR(scaler.step(opt), "already called");
+  scaler.update();
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 65536) << "one good step does not grow it";
+  MPIPE_EXPECT_ERROR((void)GradScaler(GradScalerOptions().init_scale(0)), "init_scale", "0");
+  MPIPE_EXPECT_ERROR((void)GradScaler(GradScalerOptions().growth_factor(1)), "growth_factor");
+  MPIPE_EXPECT_ERROR((void)GradScaler(GradScalerOptions().backoff_factor(1.5)), "backoff_factor", "1.5");
+  MPIPE_EXPECT_ERROR((void)GradScaler(GradScalerOptions().growth_interval(0)), "growth_interval");
+  MPIPE_EXPECT_ERROR(scaler.update(-1), "positive", "-1");
+  MPIPE_EXPECT_ERROR(scaler.scale(torch::Tensor()), "undefined");
+}
+
+TEST(GradScaler, DisabledIsPlainTrainingAndStateRoundTrips) {
+  auto net = small_linear();
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler off(GradScalerOptions().enabled(false));
+  const auto loss = net(torch::randn({2, 4})).sum();
+  EXPECT_TRUE(off.scale(loss).is_same(loss));
+  EXPECT_DOUBLE_EQ(off.get_scale(), 1);
+  loss.backward();
+  EXPECT_TRUE(off.step(opt));
+  off.update();
+
+  GradScaler a(GradScalerOptions().init_scale(512).growth_interval(3));
+  a.update(96);
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  GradScaler b;
+  b.load(in);
+  EXPECT_DOUBLE_EQ(b.get_scale(), 96);
+  EXPECT_EQ(b.growth_tracker(), 0);
+}
+
+TEST(GradScaler, TrainStepLossScaleUnderEveryScheduleGivesScaledGradients) {
+  torch::manual_seed(42);
+  std::vector<torch::nn::Sequential> stages{mlp_stage(6, 6), mlp_stage(6, 6)};
+  for (auto& s : stages) s->to(torch::kDouble);
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  const auto target = torch::randn({8, 6}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  for (bool threads : {true, false}) {
+    ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads));
+    for (auto& s : stages) pipe->append(s, "cpu");
+    for (auto schedule : all_schedules()) {
+      SCOPED_TRACE(schedule_name(schedule) + (threads ? ", threads" : ", inline"));
+      const auto opts = schedule_options(schedule, 2, 2);
+      const auto loss = pipe->train_step(x, target, loss_fn, opts);
+      const auto grads = grads_of(*pipe);
+      zero_grads(*pipe);
+      const auto scaled_loss =
+          pipe->train_step(x, target, loss_fn, TrainStepOptions(opts).loss_scale(1024));
+      expect_close(scaled_loss, loss, 1e-12, "the returned loss is not scaled");
+      for (const auto& kv : grads_of(*pipe)) {
+        expect_close(kv.second, grads.at(kv.first) * 1024, 1e-9, "scaled grad of " + kv.first);
+      }
+      // The scaler's step brings them back.
+      torch::optim::SGD opt(pipe->parameters(), 0.0);
+      GradScaler scaler(GradScalerOptions().init_scale(1024));
+      EXPECT_TRUE(scaler.step(opt));
+      for (const auto& kv : grads_of(*pipe)) {
+        expect_close(kv.second, grads.at(kv.first), 1e-12, "unscaled grad of " + kv.first);
+      }
+      zero_grads(*pipe);
+    }
+    for (double bad : {0.0, -2.0, std::nan("")}) {
+      MPIPE_EXPECT_ERROR(
+          pipe->train_step(x, target, loss_fn, TrainStepOptions(2).loss_scale(bad)), "loss_scale");
+    }
+    pipe->train_step(x, target, loss_fn, TrainStepOptions(2));  // still usable
+    zero_grads(*pipe);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Neurons in half and bfloat16.
+
+namespace {
+
+/// T steps of `node` on `xs` (one input per step); spikes and the input's gradient.
+template <typename Node>
+std::pair<torch::Tensor, torch::Tensor> run_neuron(Node node, const torch::Tensor& xs) {
+  node->reset_state();
+  auto x = xs.detach().clone().requires_grad_();
+  std::vector<torch::Tensor> spikes;
+  for (int64_t t = 0; t < x.size(0); ++t) spikes.push_back(node(x[t]));
+  auto s = torch::stack(spikes);
+  const auto weights = torch::linspace(0.5, 1.5, s.numel(), s.options().dtype(torch::kFloat));
+  (s.to(torch::kFloat) * weights.view(s.sizes())).sum().backward();
+  node->reset_state();
+  return {s.detach(), x.grad()};
+}
+
+void neurons_in_low_precision(torch::Device device) {
+  torch::manual_seed(43);
+  const auto xs32 = (torch::rand({12, 256}) * 2).to(device);
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const auto xs = xs32.to(dtype);
+    for (bool float_membrane : {true, false}) {
+      if (!float_membrane && dtype == torch::kHalf && device.is_cpu()) continue;  // ATen: no half CPU
+      SCOPED_TRACE(c10::str(dtype, float_membrane ? ", float membrane" : ", membrane in dtype"));
+      for (bool lif : {true, false}) {
+        std::pair<torch::Tensor, torch::Tensor> fused, aten;
+        if (lif) {
+          fused = run_neuron(mpipe::snn::LIFNode(
+                                 mpipe::snn::LIFNodeOptions().float_membrane(float_membrane)),
+                             xs);
+          aten = run_neuron(mpipe::snn::LIFNode(mpipe::snn::LIFNodeOptions()
+                                                    .fused(false)
+                                                    .float_membrane(float_membrane)),
+                            xs);
+        } else {
+          fused = run_neuron(
+              mpipe::snn::IFNode(mpipe::snn::IFNodeOptions().float_membrane(float_membrane)), xs);
+          aten = run_neuron(mpipe::snn::IFNode(
+                                mpipe::snn::IFNodeOptions().fused(false).float_membrane(float_membrane)),
+                            xs);
+        }
+        EXPECT_EQ(fused.first.scalar_type(), dtype) << "spikes in the input's dtype";
+        EXPECT_EQ(fused.second.scalar_type(), dtype);
+        // Spikes sit on a threshold: rounding may flip a few of 3072.
+        const double flips = (fused.first.to(torch::kDouble) - aten.first.to(torch::kDouble))
+                                 .abs().sum().item<double>();
+        EXPECT_LE(flips, float_membrane ? 2 : 30) << (lif ? "LIF" : "IF");
+        EXPECT_GT(fused.first.to(torch::kDouble).sum().item<double>(), 100) << "it fires";
+        if (flips == 0) expect_rel(fused.second, aten.second, 2e-2, "input gradient");
+      }
+      mpipe::snn::LIFNode node(mpipe::snn::LIFNodeOptions().float_membrane(float_membrane));
+      node(xs[0]);
+      EXPECT_EQ(node->membrane_potentials()[0].scalar_type(),
+                float_membrane ? torch::kFloat : dtype);
+    }
+  }
+  // A float membrane makes the bf16 neuron the float32 neuron on the same input.
+  const auto xb = xs32.to(torch::kBFloat16);
+  const auto low = run_neuron(mpipe::snn::LIFNode(), xb).first;
+  const auto full = run_neuron(mpipe::snn::LIFNode(), xb.to(torch::kFloat)).first;
+  expect_close(low, full, 0, "bf16 input, float membrane == float32 neuron");
+}
+
+}  // namespace
+
+TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16) {
+  neurons_in_low_precision(torch::kCPU);
+}
+
+TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  neurons_in_low_precision(torch::Device("cuda:0"));
+}
