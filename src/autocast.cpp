@@ -57,6 +57,14 @@ std::string AutocastState::str() const {
 
 void clear_autocast_cache() { at::autocast::clear_cache(); }
 
+bool autocast_cache_per_thread() {
+#if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR < 2
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace detail
 }  // namespace mpipe
 

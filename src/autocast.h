@@ -11,12 +11,15 @@
 // every worker runs its program under it (AutocastScope). Forward, the
 // recompute of a checkpointed stage and the loss run under it; autograd's
 // backward runs with autocast off, as PyTorch recommends (backward ops run in
-// the dtypes their forward ops chose). A worker clears its cast cache at the
-// end of each call: the cache keys on the weights, which an optimizer step
-// changes in place, and nothing else would ever clear a worker's cache (the
-// caller's is cleared when the caller leaves its autocast region). A CUDA
-// graph is captured with the cache off, as torch.cuda.make_graphed_callables
-// asks, and the state is part of the graph's key.
+// the dtypes their forward ops chose). The cast cache keys on the weights,
+// which an optimizer step changes in place. LibTorch 2 keeps one cache for
+// all threads, cleared when any thread leaves its outermost autocast scope
+// (the caller's AutocastGuard): workers then share the casts of a call and
+// leave the cache alone. LibTorch 1.13 keeps one per thread, which nothing
+// would ever clear on a worker, so there each worker clears its own at the end
+// of each call (autocast_cache_per_thread). A CUDA graph is captured with the
+// cache off, as torch.cuda.make_graphed_callables asks, and the state is part
+// of the graph's key.
 
 #include <c10/core/ScalarType.h>
 
@@ -77,8 +80,11 @@ class NoAutocast {
   AutocastState previous_;
 };
 
-/// Drops this thread's cached casts.
+/// Drops this thread's cached casts (every thread's, with LibTorch 2).
 void clear_autocast_cache();
+
+/// Whether each thread has a cast cache of its own (LibTorch 1.x).
+bool autocast_cache_per_thread();
 
 }  // namespace detail
 }  // namespace mpipe

@@ -505,7 +505,7 @@ void Executor::run_program(Run& run, const schedules::Program& program) {
     ~ClearCasts() {
       if (on) clear_autocast_cache();
     }
-  } clear_casts{run.autocast.any()};
+  } clear_casts{run.autocast.any() && autocast_cache_per_thread()};
   for (const schedules::Op& op : program) {
     if (!run_action(run, op)) return;
   }
