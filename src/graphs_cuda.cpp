@@ -208,6 +208,10 @@ at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
       return loss;
     }
     const std::vector<bool>& got = warm->second;
+    // Casts that autocast cached for eager calls hold their weights' AccumulateGrad
+    // nodes alive (below): drop them; later casts are made again (Note [Autocast
+    // in the pipeline]).
+    if (AutocastState::current().any()) clear_autocast_cache();
     for (const auto& p : params) {
       // A live AccumulateGrad node (an autograd graph of an earlier call still
       // referenced, e.g. by a neuron's state) keeps the stream it was made on,

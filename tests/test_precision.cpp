@@ -372,6 +372,16 @@ TEST(AutocastCuda, EveryCallKindInBFloat16EagerAndGraphed_CUDA) {
         expect_rel_grads(model.grads(), ref, 1e-3);
         model.zero();
       }
+      if (graphs) {  // cached casts of eager steps must not keep the step from being captured
+        const auto before = pipe->cuda_graphs_captured();
+        AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);  // cache on
+        for (int k = 0; k < 3; ++k) {
+          model.reset();
+          pipe->train_step(x, target, loss_fn, schedule_options(Schedule::GPipe, 8, 3));
+        }
+        EXPECT_GT(pipe->cuda_graphs_captured(), before) << "the graphed step was captured";
+        model.zero();
+      }
     }
   }
   model.reset();
