@@ -2,12 +2,14 @@
 """Side-by-side table of mpipe's benchmark (mpipe_bench --json) and the reference
 Python class's (shared/seed/bench_seed.py --json), measured in the same device run.
 
-    python3 bench/compare.py MPIPE_JSON SEED_JSON [SEED_SCALING_JSON]
+    python3 bench/compare.py MPIPE_JSON SEED_JSON [SEED_SCALING_JSON] [--transformer=SEED_TRANSFORMER_JSON]
 
 Prints Markdown: per workload, milliseconds (medians) of mpipe, the reference
 class, plain LibTorch (C++, the stages one after another) and the CUDA-graph
 floors, with the ratios the performance targets are stated in; then the memory
-table of a training step under each schedule.
+table of a training step under each schedule; then the bf16 rows (mpipe against
+plain LibTorch, TFLOP/s and their share of 790) and the transformer beside the
+reference class (bench/seed_transformer.py's JSON).
 """
 import json
 import sys
@@ -72,7 +74,45 @@ def failures(m, s):
     return out
 
 
+PEAK_TFLOPS = 790  # the H200's bf16 figure (device notes)
+
+
+def bf16_tables(m, seed_tf):
+    w = m.get("workloads", {})
+    names = [n for n in ("wide-mlp-bf16", "wide-mlp-bf16w") if n in w]
+    if names:
+        print()
+        print("| bf16 row | mpipe ms | plain LibTorch ms | mpipe / plain | mpipe TFLOP/s | of 790 "
+              "| targets (<= 1.01x plain, >= 70 %) met |")
+        print("|---|---|---|---|---|---|---|")
+        for name in names:
+            r = w[name]
+            for kind, mk, pk in (("forward", "mpipe_fwd_ms", "plain_fwd_ms"),
+                                 ("train", "mpipe_train_ms", "plain_train_ms")):
+                if mk not in r or pk not in r:
+                    continue
+                ratio, tf = r[mk] / r[pk], r.get(mk[:-3] + "_tflops", 0.0)
+                met = ratio <= 1.01 and tf / PEAK_TFLOPS >= 0.70
+                print(f"| {name} {kind} | {r[mk]:.2f} | {r[pk]:.2f} | {ratio:.3f} | {tf:.0f} | "
+                      f"{100 * tf / PEAK_TFLOPS:.0f} % | {'yes' if met else 'NO'} |")
+    t = w.get("transformer")
+    if t:
+        print()
+        print("| transformer training step | ms | TFLOP/s | reference class ms (same micro-batches) "
+              "| ref / mpipe |")
+        print("|---|---|---|---|---|")
+        for key in sorted(k for k in t if k.endswith("_ms")):
+            split = key.split("_split")[1].split("_")[0] if "_split" in key else None
+            ref = seed_tf.get(f"seed_split{split}_train_ms") if split else seed_tf.get("plain_train_ms")
+            cell = "" if ref is None else f"{ref:.1f}"
+            ratio = "" if ref is None else f"{ref / t[key]:.2f}x"
+            print(f"| {key[:-3]} | {t[key]:.1f} | {t.get(key[:-3] + '_tflops', 0):.0f} | {cell} | {ratio} |")
+
+
 def main():
+    transformer = [a for a in sys.argv[1:] if a.startswith("--transformer=")]
+    sys.argv = [a for a in sys.argv if not a.startswith("--transformer=")]
+    seed_tf = json.load(open(transformer[0].split("=", 1)[1])) if transformer else {}
     m = json.load(open(sys.argv[1]))
     text = open(sys.argv[2]).read()
     s = json.loads(text) if text.strip() else {}  # /dev/null: no reference figures
@@ -133,6 +173,7 @@ def main():
             above = ", ".join(f"{v:.0f}" for v in r.get("step_peak_above_baseline_mib", {}).values())
             print(f"| {r['mode']} | {peaks} | {r['before_step_mib']:.0f} | {above} | "
                   f"{r['train_ms']:.1f} |")
+    bf16_tables(m, seed_tf)
     failed = failures(m, s)
     if failed:
         print()

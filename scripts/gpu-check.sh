@@ -81,6 +81,8 @@ if [[ " $steps " == *" bf16 "* ]]; then
     --json '$out/bf16_bench.json' ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
   step seed_transformer bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 bench/seed_transformer.py .devdata/seed \
     --json '$out/seed_transformer.json' 2>&1 | tee -a '$log'"
+  step compare_bf16 bash -o pipefail -c "python3 bench/compare.py '$out/bf16_bench.json' /dev/null \
+    --transformer='$out/seed_transformer.json' | tee '$out/compare_bf16.md'"
 fi
 if [[ " $steps " == *" scaling "* ]]; then
   # wide-mlp's training throughput on 1, 2 and 4 GPUs, mpipe and the reference class (issue 7).
