@@ -599,6 +599,50 @@ json transformer_workload(const Timer& timer, const torch::Device& device, int64
   return r;
 }
 
+/// The runtime's own cost per task: 4 stages of one Linear(4, 4) and 8
+/// micro-batches of one row, so the work is nothing and the time is host
+/// overhead. Plain: the same 32 stage calls in a loop on the caller's thread.
+json overhead_workload(const Timer& timer, const torch::Device& device) {
+  torch::manual_seed(0);
+  std::vector<nn::Sequential> stages;
+  for (int s = 0; s < 4; ++s) stages.push_back(nn::Sequential(nn::Linear(4, 4)));
+  const auto x = torch::randn({8, 4}, torch::TensorOptions(device));
+  const auto y = torch::randn({8, 4}, torch::TensorOptions(device));
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return (o - t).pow(2).mean(); };
+  json r;
+  {
+    torch::NoGradGuard no_grad;
+    r["plain_32_calls_us"] = 1e3 * timer.median_ms([&] {
+      for (int i = 0; i < 8; ++i) {
+        torch::Tensor h = x.narrow(0, i, 1);
+        for (auto& st : stages) h = st->forward(h);
+      }
+    });
+  }
+  r["plain_32_calls_train_us"] = 1e3 * timer.median_ms([&] {
+    for (int i = 0; i < 8; ++i) {
+      torch::Tensor h = x.narrow(0, i, 1);
+      for (auto& st : stages) h = st->forward(h);
+      loss_fn(h, y.narrow(0, i, 1)).backward();
+    }
+  });
+  for (bool threads : {true, false}) {
+    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(threads));
+    for (auto& st : stages) pipe->append(st, device);
+    const std::string mode = threads ? "threads" : "inline";
+    {
+      torch::NoGradGuard no_grad;
+      r["forward_" + mode + "_us"] = 1e3 * timer.median_ms([&] { pipe->forward(x, 1); });
+    }
+    r["train_step_" + mode + "_us"] = 1e3 * timer.median_ms([&] {
+      pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(1));
+    });
+    r["forward_" + mode + "_per_task_us"] = r["forward_" + mode + "_us"].get<double>() / 32;
+    r["train_step_" + mode + "_per_task_us"] = r["train_step_" + mode + "_us"].get<double>() / 64;
+  }
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -609,8 +653,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--only", cfg.only,
                  "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
-                 "schedules, wide-mlp-bf16, wide-mlp-bf16w, transformer, scaling (the last "
-                 "only when named or with 2+ GPUs)");
+                 "schedules, wide-mlp-bf16, wide-mlp-bf16w, transformer, overhead, scaling "
+                 "(the last only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
   app.add_option("--timelines", cfg.timelines,
@@ -676,6 +720,7 @@ int main(int argc, char** argv) {
                                 : transformer_workload(timer, device, 4096, 32, 2048, 8, peak,
                                                        cfg.inline_host));
   }
+  if (wanted("overhead")) report("overhead", overhead_workload(timer, device));
   if (wanted("snn-1024")) {
     report("snn-1024", small ? snn_workload(timer, device, 128, 32, 32, cfg.inline_host)
                              : snn_workload(timer, device, 1024, 256, 32, cfg.inline_host));
