@@ -15,37 +15,59 @@
 #endif
 
 namespace mpipe {
+
+namespace {
+
+// Autocast's state on `d` (kCPU or kCUDA), on any LibTorch.
+bool enabled_on(c10::DeviceType d) {
+#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::is_autocast_enabled(d);
+#else
+  return d == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+
+c10::ScalarType dtype_on(c10::DeviceType d) {
+#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::get_autocast_dtype(d);
+#else
+  return d == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                   : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
+void set_on(c10::DeviceType d, bool enabled, c10::ScalarType dtype) {
+#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_enabled(d, enabled);
+  at::autocast::set_autocast_dtype(d, dtype);
+#else
+  if (d == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+#endif
+}
+
+}  // namespace
+
 namespace detail {
 
 AutocastState AutocastState::current() {
   AutocastState s;
-#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
-  s.cpu = at::autocast::is_autocast_enabled(at::kCPU);
-  s.cuda = at::autocast::is_autocast_enabled(at::kCUDA);
-  s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
-  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
-#else
-  s.cpu = at::autocast::is_cpu_enabled();
-  s.cuda = at::autocast::is_enabled();
-  s.cpu_dtype = at::autocast::get_autocast_cpu_dtype();
-  s.cuda_dtype = at::autocast::get_autocast_gpu_dtype();
-#endif
+  s.cpu = enabled_on(c10::DeviceType::CPU);
+  s.cuda = enabled_on(c10::DeviceType::CUDA);
+  s.cpu_dtype = dtype_on(c10::DeviceType::CPU);
+  s.cuda_dtype = dtype_on(c10::DeviceType::CUDA);
   s.cache = at::autocast::is_autocast_cache_enabled();
   return s;
 }
 
 void AutocastState::apply() const {
-#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
-  at::autocast::set_autocast_enabled(at::kCPU, cpu);
-  at::autocast::set_autocast_enabled(at::kCUDA, cuda);
-  at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-  at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
-#else
-  at::autocast::set_cpu_enabled(cpu);
-  at::autocast::set_enabled(cuda);
-  at::autocast::set_autocast_cpu_dtype(cpu_dtype);
-  at::autocast::set_autocast_gpu_dtype(cuda_dtype);
-#endif
+  set_on(c10::DeviceType::CPU, cpu, cpu_dtype);
+  set_on(c10::DeviceType::CUDA, cuda, cuda_dtype);
   at::autocast::set_autocast_cache_enabled(cache);
 }
 
@@ -66,41 +88,6 @@ bool autocast_cache_per_thread() {
 }
 
 }  // namespace detail
-}  // namespace mpipe
-
-namespace mpipe {
-
-namespace {
-bool enabled_on(c10::DeviceType d) {
-#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
-  return at::autocast::is_autocast_enabled(d);
-#else
-  return d == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-#endif
-}
-c10::ScalarType dtype_on(c10::DeviceType d) {
-#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
-  return at::autocast::get_autocast_dtype(d);
-#else
-  return d == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
-                                   : at::autocast::get_autocast_gpu_dtype();
-#endif
-}
-void set_on(c10::DeviceType d, bool enabled, c10::ScalarType dtype) {
-#ifdef MPIPE_AUTOCAST_BY_DEVICE_TYPE
-  at::autocast::set_autocast_enabled(d, enabled);
-  at::autocast::set_autocast_dtype(d, dtype);
-#else
-  if (d == c10::DeviceType::CPU) {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  } else {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  }
-#endif
-}
-}  // namespace
 
 AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled,
                              bool cache)

@@ -44,24 +44,33 @@ struct AutocastState {
     return s;
   }
   bool any() const { return cpu || cuda; }
+  bool operator==(const AutocastState& o) const {
+    return cpu == o.cpu && cuda == o.cuda && cpu_dtype == o.cpu_dtype &&
+           cuda_dtype == o.cuda_dtype && cache == o.cache;
+  }
   /// Makes this thread's state equal to this one.
   void apply() const;
   /// For cache keys: "" when autocast is off.
   std::string str() const;
 };
 
-/// Runs a scope under `state`, then puts the thread's previous state back.
+/// Runs a scope under `state`, then puts the thread's previous state back
+/// (nothing to do in the common case: the thread already has that state).
 class AutocastScope {
  public:
-  explicit AutocastScope(const AutocastState& state) : previous_(AutocastState::current()) {
-    state.apply();
+  explicit AutocastScope(const AutocastState& state)
+      : previous_(AutocastState::current()), changed_(!(previous_ == state)) {
+    if (changed_) state.apply();
   }
-  ~AutocastScope() { previous_.apply(); }
+  ~AutocastScope() {
+    if (changed_) previous_.apply();
+  }
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
 
  private:
   AutocastState previous_;
+  bool changed_;
 };
 
 /// Autocast off for a scope (autograd's backward).

@@ -124,10 +124,9 @@ class GradScaler {
     PerOptimizer& st = state_[&optimizer];
     TORCH_CHECK(!st.stepped, "mpipe::GradScaler::step: already called for this optimizer since "
                              "the last update()");
-    if (!st.unscaled) unscale_(optimizer);
-    PerOptimizer& after = state_[&optimizer];
-    after.stepped = true;
-    if (after.found_inf) return false;
+    if (!st.unscaled) unscale_(optimizer);  // std::map: `st` stays valid
+    st.stepped = true;
+    if (st.found_inf) return false;
     optimizer.step();
     return true;
   }
