@@ -605,7 +605,10 @@ json transformer_workload(const Timer& timer, const torch::Device& device, int64
 json overhead_workload(const Timer& timer, const torch::Device& device) {
   torch::manual_seed(0);
   std::vector<nn::Sequential> stages;
-  for (int s = 0; s < 4; ++s) stages.push_back(nn::Sequential(nn::Linear(4, 4)));
+  for (int s = 0; s < 4; ++s) {
+    stages.push_back(nn::Sequential(nn::Linear(4, 4)));
+    stages.back()->to(device);  // the plain loop runs them before the pipeline moves them
+  }
   const auto x = torch::randn({8, 4}, torch::TensorOptions(device));
   const auto y = torch::randn({8, 4}, torch::TensorOptions(device));
   auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return (o - t).pow(2).mean(); };
