@@ -317,6 +317,26 @@ TEST_P(AutocastCall, StagesWithBFloat16WeightsMatchThePlainModel) {
   model.reset();
 }
 
+TEST_P(AutocastCall, AFailedCallLeavesNoAutocastStateBehind) {
+  torch::manual_seed(37);
+  auto first = mlp_stage(8, 8, 1), last = mlp_stage(8, 8, 1);
+  Failing failing(1);  // throws at its second call: micro-batch 1
+  ModelPipeline pipe(ModelPipelineOptions().worker_threads(GetParam()));
+  pipe->append(first, "cpu").append(failing, "cpu").append(last, "cpu");
+  const auto x = torch::randn({8, 8});
+  {
+    torch::NoGradGuard no_grad;
+    AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+    MPIPE_EXPECT_ERROR(pipe->forward(x, 4), "stage 1", "micro-batch 1 of 2", "planted failure");
+  }
+  // The workers and the caller are back to no autocast: float32 everywhere.
+  torch::NoGradGuard no_grad;
+  const auto y = pipe->forward(x, 4);
+  EXPECT_EQ(y.scalar_type(), torch::kFloat);
+  expect_close(y, last->forward(failing(first->forward(x))), 1e-6, "the next call, without autocast");
+  EXPECT_EQ(torch::nn::Linear(2, 2)(torch::ones({1, 2})).scalar_type(), torch::kFloat);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, AutocastCall, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Threads" : "Inline";
