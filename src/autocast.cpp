@@ -79,6 +79,12 @@ std::string AutocastState::str() const {
 
 void clear_autocast_cache() { at::autocast::clear_cache(); }
 
+void start_with_fresh_casts() {
+  if (enabled_on(c10::DeviceType::CPU) || enabled_on(c10::DeviceType::CUDA)) {
+    at::autocast::clear_cache();
+  }
+}
+
 bool autocast_cache_per_thread() {
 #if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR < 2
   return true;

@@ -12,7 +12,9 @@
 // recompute of a checkpointed stage and the loss run under it; autograd's
 // backward runs with autocast off, as PyTorch recommends (backward ops run in
 // the dtypes their forward ops chose). The cast cache keys on the weights,
-// which an optimizer step changes in place. LibTorch 2 keeps one cache for
+// which an optimizer step changes in place, and lives as long as the caller's
+// autocast scope, which may span several steps: each call starts by dropping
+// the cached casts (start_with_fresh_casts). LibTorch 2 keeps one cache for
 // all threads, cleared when any thread leaves its outermost autocast scope
 // (the caller's AutocastGuard): workers then share the casts of a call and
 // leave the cache alone. LibTorch 1.13 keeps one per thread, which nothing
@@ -91,6 +93,11 @@ class NoAutocast {
 
 /// Drops this thread's cached casts (every thread's, with LibTorch 2).
 void clear_autocast_cache();
+
+/// At the start of a pipeline call: drops the cached casts if autocast is on,
+/// so that no stage uses a cast of weights an optimizer has changed since
+/// (the caller's autocast scope may span several steps).
+void start_with_fresh_casts();
 
 /// Whether each thread has a cast cache of its own (LibTorch 1.x).
 bool autocast_cache_per_thread();

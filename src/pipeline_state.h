@@ -16,6 +16,7 @@
 
 #include "mpipe/model_pipeline.h"
 
+#include "autocast.h"
 #include "errors.h"
 #include "executor.h"
 #include "graphs.h"
@@ -139,6 +140,7 @@ auto ModelPipelineImpl::State::guarded(const char* method, F&& body) -> decltype
     ~EndWatch() { s.end_memory_watch(method); }
   } end_watch{*this, method};
   detail::RollbackOnFailure rollback(stateful);  // Note [State snapshots]
+  detail::start_with_fresh_casts();              // Note [Autocast in the pipeline]
   return body();
 }
 

@@ -270,6 +270,35 @@ TEST_P(AutocastCall, WorkersKeepNoCastOfOldWeightsBetweenCalls) {
   expect_close(y, ref, 0, "the second call sees the new weights");
 }
 
+TEST_P(AutocastCall, OneScopeAroundSeveralStepsSeesEveryUpdate) {
+  // A guard around the whole loop: casts cached by one call must not reach
+  // the next once the optimizer has changed the weights.
+  torch::manual_seed(38);
+  const Model model(16);
+  auto pipe = model.pipeline(GetParam());
+  const auto x = torch::randn({8, 16});
+  const auto target = torch::randn({8, 16});
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  torch::optim::SGD opt(pipe->parameters(), 0.5);
+  AutocastGuard bf16(torch::kCPU, torch::kBFloat16);  // cache on, for the whole test
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    torch::Tensor want;
+    {
+      AutocastGuard fresh(torch::kCPU, torch::kBFloat16, true, /*cache=*/false);
+      torch::NoGradGuard no_grad;
+      model.reset();
+      want = loss_fn(model.plain(x), target);
+    }
+    opt.zero_grad();
+    model.reset();
+    const auto loss = pipe->train_step(x, target, loss_fn, TrainStepOptions(8));
+    expect_rel(loss, want, 1e-6, "the loss of the current weights");
+    opt.step();
+  }
+  model.reset();
+}
+
 TEST_P(AutocastCall, StagesWithBFloat16WeightsMatchThePlainModel) {
   torch::manual_seed(35);
   Model model(16);

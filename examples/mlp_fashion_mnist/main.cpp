@@ -139,12 +139,14 @@ int run(Config cfg) {
   if (cfg.precision == "fp16" && !cuda) {
     throw std::runtime_error("--precision fp16 needs CUDA stages (CPU autocast is bf16 only)");
   }
-  // Mixed precision: autocast reaches every stage; fp16 needs loss scaling.
-  std::unique_ptr<mpipe::AutocastGuard> autocast;
-  if (cfg.precision != "fp32") {
-    autocast = std::make_unique<mpipe::AutocastGuard>(
+  // Mixed precision: autocast reaches every stage; fp16 needs loss scaling. A
+  // scope per step, as in PyTorch: autocast caches the weights' casts for the
+  // scope's life, and the optimizer changes the weights between steps.
+  auto precision_scope = [&]() -> std::unique_ptr<mpipe::AutocastGuard> {
+    if (cfg.precision == "fp32") return nullptr;
+    return std::make_unique<mpipe::AutocastGuard>(
         devices.front().type(), cfg.precision == "fp16" ? torch::kHalf : torch::kBFloat16);
-  }
+  };
   cfg.group = examples::group_from_env();
   const bool report = examples::reports(cfg.group);
   auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
@@ -189,9 +191,13 @@ int run(Config cfg) {
       examples::set_cosine_lr<torch::optim::AdamOptions>(opt, cfg.lr, step, total_steps);
       opt.zero_grad();
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
-      const auto loss = pipe->train_step(
-          x, y, loss_fn,
-          mpipe::TrainStepOptions(cfg.split).schedule(schedule).loss_scale(scaler.get_scale()));
+      at::Tensor loss;
+      {
+        const auto autocast = precision_scope();
+        loss = pipe->train_step(
+            x, y, loss_fn,
+            mpipe::TrainStepOptions(cfg.split).schedule(schedule).loss_scale(scaler.get_scale()));
+      }
       if (loss.defined()) loss_sum += loss * n;  // the last rank's, across processes
       if (recorded) examples::end_recorded_step(pipe, common);
       skipped += scaler.step(opt) ? 0 : 1;  // opt.step() unless a gradient overflowed
@@ -204,8 +210,12 @@ int run(Config cfg) {
     }
     const double epoch_train_s = examples::seconds_since(t_epoch);
     train_seconds += epoch_train_s;
-    const double train_acc = evaluate(pipe, train, cfg.split);
-    last = evaluate(pipe, test, cfg.split);
+    double train_acc = 0;
+    {
+      const auto autocast = precision_scope();
+      train_acc = evaluate(pipe, train, cfg.split);
+      last = evaluate(pipe, test, cfg.split);
+    }
     if (report) {
       examples::print_epoch(epoch, cfg.epochs, mean_loss, train_acc, last, train.size(),
                             epoch_train_s, examples::seconds_since(t_start));
