@@ -243,7 +243,7 @@ TEST_P(AutocastCall, ConstantTrainStepMatchesPlainAutocast) {
 
 TEST_P(AutocastCall, WorkersKeepNoCastOfOldWeightsBetweenCalls) {
   // Casts are cached by default. The caller's cache goes when it leaves its
-  // autocast scope; a worker's must go at the end of each call, or the next
+  // autocast scope; LibTorch 1.13's per-worker caches must go too, or the next
   // call would use the bf16 copy of weights an optimizer has since changed.
   torch::manual_seed(34);
   const Model model(16);
