@@ -21,6 +21,7 @@
 #ifdef MPIPE_BENCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -51,12 +52,48 @@ struct Config {
   bool inline_host = false;
   bool memory = true;
   std::string timelines;  // folder for the schedules' timelines (SVG, Chrome trace); empty: none
+  std::string profile;    // folder for one profiled call per measurement; empty: none
 };
+
+// --profile: after each measurement, one more call runs under LibTorch's
+// profiler (Kineto: CPU ops of every thread, CUDA kernels), saved as a Chrome
+// trace <dir>/<workload>.<n>.json; n counts the workload's measurements in
+// the order of the JSON keys' assignments. bench/trace_summary.py reads them.
+struct Profiling {
+  std::string dir;
+  std::string workload;
+  int n = 0;
+};
+Profiling profiling;
+
+void profile_once(const std::function<void()>& fn, const std::function<void()>& sync) {
+  if (profiling.dir.empty()) return;
+  namespace tp = torch::profiler::impl;
+  const std::string path =
+      profiling.dir + "/" + profiling.workload + "." + std::to_string(profiling.n++) + ".json";
+  try {
+    const tp::ProfilerConfig config(tp::ProfilerState::KINETO);
+    std::set<tp::ActivityType> activities{tp::ActivityType::CPU};
+    if (torch::cuda::is_available()) activities.insert(tp::ActivityType::CUDA);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+    fn();
+    sync();
+    torch::autograd::profiler::disableProfiler()->save(path);
+    std::printf("profiled: %s\n", path.c_str());
+  } catch (const c10::Error& e) {
+    std::printf("profiling %s failed: %s\n", path.c_str(), e.what_without_backtrace());
+  }
+}
 
 struct Timer {
   bool cuda;
   int64_t reps, warmup;
-  double median_ms(const std::function<void()>& fn) const {
+  /// Wraps every timed call (an autocast scope per call, as a training loop
+  /// opens one per step); empty: none.
+  std::function<void(const std::function<void()>&)> around;
+  double median_ms(const std::function<void()>& call) const {
+    const std::function<void()> fn = around ? std::function<void()>([&] { around(call); }) : call;
     for (int64_t i = 0; i < warmup; ++i) fn();
     sync();
     std::vector<double> ms;
@@ -68,6 +105,7 @@ struct Timer {
                        .count());
     }
     std::sort(ms.begin(), ms.end());
+    profile_once(fn, [this] { sync(); });
     return ms.size() % 2 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
   }
   /// Waits for every GPU, not just the current one: stages may sit on several.
@@ -555,7 +593,8 @@ struct BlockImpl : nn::Module {
 };
 TORCH_MODULE(Block);
 
-/// 8 blocks in 4 stages, trained in bf16 autocast (fp32 weights), loss
+/// 8 blocks in 4 stages, trained in bf16 autocast (fp32 weights: `timer`
+/// opens the scope around each call), loss
 /// mean(y^2): plain LibTorch on the whole batch, and mpipe with micro-batches
 /// of 1 and 2 sequences under 1F1B.
 json transformer_workload(const Timer& timer, const torch::Device& device, int64_t d,
@@ -573,7 +612,6 @@ json transformer_workload(const Timer& timer, const torch::Device& device, int64
   const auto x = torch::randn({batch, seq, d}, torch::TensorOptions(devices.front()));
   const auto target = torch::empty({batch, 1}, torch::TensorOptions(devices.back()));
   auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
-  mpipe::AutocastGuard bf16(device.type(), torch::kBFloat16);
   json r;
   r["plain_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();
@@ -663,6 +701,8 @@ int main(int argc, char** argv) {
   app.add_option("--timelines", cfg.timelines,
                  "write each schedule's timeline of the schedules workload here (SVG, JSON)");
   app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
+  app.add_option("--profile", cfg.profile,
+                 "after each measurement, profile one more call into this folder (Chrome traces)");
   CLI11_PARSE(app, argc, argv);
 
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && mpipe::cuda_device_count() > 0);
@@ -675,7 +715,7 @@ int main(int argc, char** argv) {
   const Timer timer{cuda, cfg.reps, cfg.warmup};
   // The CPU form keeps each workload's shape but shrinks it to run in seconds.
   const bool small = cfg.cpu_sizes;
-  auto wanted = [&](const std::string& name) {
+  auto wanted_name = [&](const std::string& name) {
     return cfg.only.empty() || ("," + cfg.only + ",").find("," + name + ",") != std::string::npos;
   };
 
@@ -687,6 +727,13 @@ int main(int argc, char** argv) {
   std::printf("mpipe %s benchmark on %s%s, median of %lld runs (ms)\n", MPIPE_VERSION_STRING,
               device.str().c_str(), cfg.cpu_sizes ? " (CPU sizes)" : "",
               static_cast<long long>(cfg.reps));
+  if (!cfg.profile.empty()) std::filesystem::create_directories(cfg.profile);
+  profiling.dir = cfg.profile;
+  auto wanted = [&](const std::string& name) {
+    profiling.workload = name;
+    profiling.n = 0;
+    return wanted_name(name);
+  };
   auto report = [&](const std::string& name, const json& r) {
     results["workloads"][name] = r;
     std::printf("%-11s %s\n", name.c_str(), r.dump().c_str());
@@ -704,10 +751,16 @@ int main(int argc, char** argv) {
   // against the H200's bf16 figure (790; on a CPU the share means nothing).
   const double peak = 790;
   const double wide_fwd = small ? 2.0 * 256 * 256 * 256 * 8 : 2.0 * 8192 * 8192 * 8192 * 8;
-  if (wanted("wide-mlp-bf16")) {
+  // Under autocast every timed call, plain or mpipe, opens its own scope, as
+  // a training loop does per step: its casts are made once per call.
+  Timer autocast_timer = timer;
+  autocast_timer.around = [&](const std::function<void()>& call) {
     mpipe::AutocastGuard bf16(device.type(), torch::kBFloat16);
-    json r = small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host)
-                   : mlp_workload(timer, device, 8192, 8, 8192, 1024, cfg.inline_host);
+    call();
+  };
+  if (wanted("wide-mlp-bf16")) {
+    json r = small ? mlp_workload(autocast_timer, device, 256, 8, 256, 32, cfg.inline_host)
+                   : mlp_workload(autocast_timer, device, 8192, 8, 8192, 1024, cfg.inline_host);
     add_tflops(r, wide_fwd, peak);
     report("wide-mlp-bf16", r);
   }
@@ -719,9 +772,10 @@ int main(int argc, char** argv) {
     report("wide-mlp-bf16w", r);
   }
   if (wanted("transformer")) {
-    report("transformer", small ? transformer_workload(timer, device, 64, 4, 32, 4, peak, cfg.inline_host)
-                                : transformer_workload(timer, device, 4096, 32, 2048, 8, peak,
-                                                       cfg.inline_host));
+    report("transformer",
+           small ? transformer_workload(autocast_timer, device, 64, 4, 32, 4, peak, cfg.inline_host)
+                 : transformer_workload(autocast_timer, device, 4096, 32, 2048, 8, peak,
+                                        cfg.inline_host));
   }
   if (wanted("overhead")) report("overhead", overhead_workload(timer, device));
   if (wanted("snn-1024")) {

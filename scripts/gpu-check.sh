@@ -7,7 +7,10 @@
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench beside the reference class's bench_seed.py (copied to
 # .devdata/seed) and bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
-# snn = the Fashion-MNIST SNN
+# gtest = mpipe_tests with --gtest_filter=$MPIPE_GTEST_FILTER;
+# profile = one profiled call per measurement of mpipe_bench --only
+# $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
+# the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
 # (few files, since a device call brings back at most 8), plus the benchmark's
@@ -51,6 +54,17 @@ if [[ " $steps " == *" tests "* ]]; then
   # The one-GPU tests again, verbosely; on this machine none may skip itself.
   step gpu-tests bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='*_CUDA' 2>&1 \
     | tee -a '$log' > '$out/gpu-tests.txt' && ! grep '^\[  SKIPPED \]' '$out/gpu-tests.txt'"
+fi
+if [[ " $steps " == *" gtest "* ]]; then
+  step gtest bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='${MPIPE_GTEST_FILTER:-*_CUDA}' 2>&1 \
+    | tee -a '$log'"
+fi
+if [[ " $steps " == *" profile "* ]]; then
+  rm -rf /tmp/mpipe-profile
+  step profile bash -o pipefail -c "'$bin/bench/mpipe_bench' --only '${MPIPE_PROFILE_ONLY:-narrow-mlp,snn-1024,wide-mlp-bf16}' \
+    --reps 5 --warmup 2 --profile /tmp/mpipe-profile --json '$out/profile_bench.json' 2>&1 | tee -a '$log' \
+    && python3 bench/trace_summary.py /tmp/mpipe-profile > '$out/profile.txt'"
+  [ -d /tmp/mpipe-profile ] && tar -czf "$out/profiles.tar.gz" -C /tmp mpipe-profile
 fi
 if [[ " $steps " == *" mlp "* ]]; then
   step pipelined_mlp bash -o pipefail -c "'$bin/examples/pipelined_mlp/pipelined_mlp' 2>&1 | tee -a '$log'"
