@@ -79,7 +79,7 @@ PEAK_TFLOPS = 790  # the H200's bf16 figure (device notes)
 
 def bf16_tables(m, seed_tf):
     w = m.get("workloads", {})
-    names = [n for n in ("wide-mlp-bf16", "wide-mlp-bf16w") if n in w]
+    names = [n for n in ("wide-mlp-bf16", "wide-mlp-bf16-linear", "wide-mlp-bf16w") if n in w]
     if names:
         print()
         print("| bf16 row | mpipe ms | plain LibTorch ms | mpipe / plain | mpipe TFLOP/s | of 790 "

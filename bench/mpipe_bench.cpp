@@ -149,7 +149,7 @@ torch::Tensor run_plain(std::vector<nn::Sequential>& stages,
 
 json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width, int64_t depth,
                   int64_t batch, int64_t split, bool inline_host,
-                  torch::Dtype dtype = torch::kFloat) {
+                  torch::Dtype dtype = torch::kFloat, bool mpipe_linear = false) {
   torch::manual_seed(0);
   const auto devices = placement(device, 4);
   std::vector<nn::Sequential> stages;
@@ -157,7 +157,11 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
   for (int s = 0; s < 4; ++s) {
     nn::Sequential stage;
     for (int64_t l = 0; l < depth / 4; ++l) {
-      stage->push_back(nn::Linear(width, width));
+      if (mpipe_linear) {
+        stage->push_back(mpipe::Linear(width, width));
+      } else {
+        stage->push_back(nn::Linear(width, width));
+      }
       stage->push_back(nn::ReLU());
     }
     stage->to(dtype);
@@ -563,15 +567,17 @@ void add_tflops(json& r, double fwd_flops, double peak_tflops) {
 }
 
 /// A pre-norm transformer block: LayerNorm, QKV, causal attention, projection,
-/// LayerNorm, MLP (4x, GELU), each with a residual.
+/// LayerNorm, MLP (4x, GELU), each with a residual. Its Linears are
+/// mpipe::Linear (aten::linear, as Python's nn.Linear: Note [Linear under
+/// autocast]), so it runs the ops of the reference runner's block.
 struct BlockImpl : nn::Module {
   BlockImpl(int64_t d, int64_t heads) : heads(heads) {
     ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})));
-    qkv = register_module("qkv", nn::Linear(d, 3 * d));
-    proj = register_module("proj", nn::Linear(d, d));
+    qkv = register_module("qkv", mpipe::Linear(d, 3 * d));
+    proj = register_module("proj", mpipe::Linear(d, d));
     ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({d})));
-    fc1 = register_module("fc1", nn::Linear(d, 4 * d));
-    fc2 = register_module("fc2", nn::Linear(4 * d, d));
+    fc1 = register_module("fc1", mpipe::Linear(d, 4 * d));
+    fc2 = register_module("fc2", mpipe::Linear(4 * d, d));
   }
   torch::Tensor forward(torch::Tensor x) {
     const int64_t b = x.size(0), s = x.size(1), d = x.size(2);
@@ -589,7 +595,7 @@ struct BlockImpl : nn::Module {
   }
   int64_t heads;
   nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  mpipe::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(Block);
 
@@ -694,7 +700,7 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--only", cfg.only,
                  "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
-                 "schedules, wide-mlp-bf16, wide-mlp-bf16w, transformer, overhead, scaling "
+                 "schedules, wide-mlp-bf16, wide-mlp-bf16-linear, wide-mlp-bf16w, transformer, overhead, scaling "
                  "(the last only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
@@ -763,6 +769,16 @@ int main(int argc, char** argv) {
                    : mlp_workload(autocast_timer, device, 8192, 8, 8192, 1024, cfg.inline_host);
     add_tflops(r, wide_fwd, peak);
     report("wide-mlp-bf16", r);
+  }
+  // The same with mpipe::Linear: weights cast once per call, not once per
+  // micro-batch (Note [Linear under autocast]).
+  if (wanted("wide-mlp-bf16-linear")) {
+    json r = small ? mlp_workload(autocast_timer, device, 256, 8, 256, 32, cfg.inline_host,
+                                  torch::kFloat, true)
+                   : mlp_workload(autocast_timer, device, 8192, 8, 8192, 1024, cfg.inline_host,
+                                  torch::kFloat, true);
+    add_tflops(r, wide_fwd, peak);
+    report("wide-mlp-bf16-linear", r);
   }
   if (wanted("wide-mlp-bf16w")) {
     json r = small ? mlp_workload(timer, device, 256, 8, 256, 32, cfg.inline_host, torch::kBFloat16)

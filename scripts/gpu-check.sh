@@ -5,8 +5,9 @@
 # mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
 # bf16 = the bf16 rows and the transformer beside the reference class;
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
-# bench = mpipe_bench beside the reference class's bench_seed.py (copied to
-# .devdata/seed) and bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
+# bench = mpipe_bench (only the workloads in MPIPE_BENCH_ONLY, if set) beside
+# the reference class's bench_seed.py (copied to .devdata/seed) and
+# bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
 # gtest = mpipe_tests with --gtest_filter=$MPIPE_GTEST_FILTER;
 # profile = one profiled call per measurement of mpipe_bench --only
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
@@ -77,8 +78,10 @@ fi
 if [[ " $steps " == *" bench "* ]]; then
   # mpipe's benchmark and the reference class's, in the same run (seed copied to .devdata/seed).
   # The schedules' timelines travel back as one archive (a call brings back few files).
+  only=()
+  [ -n "${MPIPE_BENCH_ONLY:-}" ] && only=(--only "$MPIPE_BENCH_ONLY")
   step mpipe_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --json '$out/mpipe_bench.json' \
-    --timelines /tmp/mpipe-timelines ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
+    --timelines /tmp/mpipe-timelines ${only[*]:-} ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
   [ -d /tmp/mpipe-timelines ] && tar -czf "$out/timelines.tar.gz" -C /tmp mpipe-timelines
   if [ -z "${MPIPE_BENCH_ARGS:-}" ]; then
     step bench_seed bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 .devdata/seed/bench_seed.py \
@@ -91,7 +94,7 @@ fi
 if [[ " $steps " == *" bf16 "* ]]; then
   # bf16 rows (issue 15): wide-mlp under autocast and with bf16 weights, the
   # transformer workload, and the reference class on the same transformer.
-  step bf16_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --only wide-mlp-bf16,wide-mlp-bf16w,transformer \
+  step bf16_bench bash -o pipefail -c "'$bin/bench/mpipe_bench' --only wide-mlp-bf16,wide-mlp-bf16-linear,wide-mlp-bf16w,transformer \
     --json '$out/bf16_bench.json' ${MPIPE_BENCH_ARGS:-} 2>&1 | tee -a '$log'"
   step seed_transformer bash -o pipefail -c "PYTHONUNBUFFERED=1 python3 bench/seed_transformer.py .devdata/seed \
     --json '$out/seed_transformer.json' 2>&1 | tee -a '$log'"

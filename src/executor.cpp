@@ -1,6 +1,7 @@
 #include "executor.h"
 
 #include "autocast.h"
+#include "backward_scope.h"
 #include "backward_positions.h"
 #include "errors.h"
 #include "recorder.h"
@@ -407,7 +408,7 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
   }
   Tensors input_grads(sv.inputs.size());
   std::map<std::string, at::Tensor> popped_grads;
-  NoAutocast no_autocast;  // Note [Autocast in the pipeline]
+  BackwardScope backward_scope;  // Note [Backward on the worker's thread]
   if (!split) {
     if (!r.empty()) torch::autograd::backward(r, g);
     for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = grad_of(sv.inputs[k]);
@@ -454,7 +455,7 @@ void Executor::weight_action(Run& run, int64_t j, int64_t i) {
   MicroBatchGuard micro_batch({i, call.n_items});
   {
     TaskSpan span(call.recorder, j, i, TaskKind::BackwardWeight, stage.device, stage.compute);
-    NoAutocast no_autocast;
+    BackwardScope backward_scope;  // Note [Backward on the worker's thread]
     sv.weights.run();
   }
   sv = Run::Saved{};  // this micro-batch's activations are free now

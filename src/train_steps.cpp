@@ -5,6 +5,7 @@
 #include "pipeline_state.h"
 
 #include "autocast.h"
+#include "backward_scope.h"
 #include "backward_positions.h"
 #include "rng.h"
 #include "scatter.h"
@@ -275,7 +276,7 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
       roots.push_back(inputs[k].tensor);
       grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
     }
-    detail::NoAutocast no_autocast;
+    detail::BackwardScope backward_scope;
     torch::autograd::backward(roots, grads);
   }
   replicas.reduce(mean, loss_sum);
@@ -446,7 +447,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
       loss = loss.reshape({});
       std::string failure;
       try {
-        detail::NoAutocast no_autocast;  // Note [Autocast in the pipeline]
+        detail::BackwardScope backward_scope;  // Note [Backward on the worker's thread]
         torch::autograd::backward({loss});
       } catch (const c10::Error& e) {
         failure = e.what_without_backtrace();
@@ -587,7 +588,7 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
     phase = "backward";
     item = -1;
     if (!roots.empty()) {
-      detail::NoAutocast no_autocast;
+      detail::BackwardScope backward_scope;
       torch::autograd::backward(roots, grads);
     }
     executor.join();

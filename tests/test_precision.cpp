@@ -7,6 +7,7 @@
 
 #include <mpipe/autocast.h>
 #include <mpipe/grad_scaler.h>
+#include <mpipe/linear.h>
 #include <mpipe/snn.h>
 
 #include <ATen/autocast_mode.h>
@@ -412,12 +413,17 @@ struct CastCounts {
   int plain_forward = 0, forward = 0, plain_train = 0, train = 0;
 };
 
-CastCounts count_casts(const std::string& device, bool threads) {
+/// With torch::nn::Linear, or mpipe::Linear (`aten_linear`).
+CastCounts count_casts(const std::string& device, bool threads, bool aten_linear) {
   torch::manual_seed(39);
   ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads));
   std::vector<torch::nn::Sequential> stages;
   for (int s = 0; s < 3; ++s) {  // 3 [24, 24] weights
-    stages.push_back(mlp_stage(24, 24, 1));
+    if (aten_linear) {
+      stages.push_back(torch::nn::Sequential(mpipe::Linear(24, 24), torch::nn::Tanh()));
+    } else {
+      stages.push_back(mlp_stage(24, 24, 1));
+    }
     pipe->append(stages.back(), device);
   }
   const auto x = torch::randn({32, 24}, torch::Device(device));
@@ -457,16 +463,51 @@ CastCounts count_casts(const std::string& device, bool threads) {
 
 }  // namespace
 
-TEST_P(AutocastCall, WeightsAreCastNoMoreOftenThanInAPlainLoop) {
-  // A cast per micro-batch instead of one per call costs a weight's memory
-  // traffic m times (on wide-mlp, 4 ms a call). LibTorch 1.13's CPU autocast
-  // casts a Linear's weight for every call (a transposed view, which it does
-  // not cache), so on the CPU the pipeline matches the plain loop; on CUDA
-  // (the _CUDA test) each weight is cast once.
-  const auto n = count_casts("cpu", GetParam());
-  EXPECT_GE(n.plain_forward, 3) << "the counter sees the casts";
-  EXPECT_EQ(n.forward, n.plain_forward);
-  EXPECT_EQ(n.train, n.plain_train);
+TEST_P(AutocastCall, WeightsAreCastOncePerCallWithMpipeLinear) {
+  // torch::nn::Linear's weight is cast at every call (Note [Linear under
+  // autocast]): the pipeline casts as often as a plain loop over the
+  // micro-batches, no more. mpipe::Linear's is cast once per call, however
+  // many micro-batches.
+  {
+    const auto n = count_casts("cpu", GetParam(), /*aten_linear=*/false);
+    EXPECT_EQ(n.plain_forward, 24) << "torch::nn::Linear: 3 weights x 8 micro-batches";
+    EXPECT_EQ(n.forward, n.plain_forward);
+    EXPECT_EQ(n.train, n.plain_train);
+  }
+  const auto n = count_casts("cpu", GetParam(), /*aten_linear=*/true);
+  EXPECT_EQ(n.plain_forward, 3);
+  EXPECT_EQ(n.forward, 3) << "forward: one cast per weight, not one per micro-batch";
+  EXPECT_EQ(n.plain_train, 3);
+  EXPECT_EQ(n.train, 3) << "train_step: one cast per weight, not one per micro-batch";
+}
+
+TEST(MpipeLinear, IsTorchLinearWithACachedCast) {
+  torch::manual_seed(5);
+  torch::nn::Linear torch_linear(torch::nn::LinearOptions(6, 4));
+  torch::manual_seed(5);
+  mpipe::Linear linear(torch::nn::LinearOptions(6, 4));
+  expect_close(linear->weight, torch_linear->weight, 0, "same initialisation");
+  expect_close(linear->bias, torch_linear->bias, 0, "same initialisation");
+  const auto x = torch::randn({5, 6});
+  expect_close(linear(x), torch_linear(x), 0, "2-D input: the same addmm");
+  const auto x3 = torch::randn({2, 5, 6});
+  expect_close(linear(x3), torch_linear(x3), 1e-6, "3-D input");
+  // Same names, so state dicts move between the two.
+  std::vector<std::string> names, torch_names;
+  for (const auto& p : linear->named_parameters()) names.push_back(p.key());
+  for (const auto& p : torch_linear->named_parameters()) torch_names.push_back(p.key());
+  EXPECT_EQ(names, torch_names);
+  mpipe::Linear no_bias(torch::nn::LinearOptions(6, 4).bias(false));
+  EXPECT_FALSE(no_bias->bias.defined());
+  EXPECT_EQ(no_bias->parameters().size(), 1u);
+  // A clone is an mpipe::Linear with its own parameters.
+  auto copy = std::dynamic_pointer_cast<mpipe::LinearImpl>(linear->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_NE(copy->weight.data_ptr(), linear->weight.data_ptr());
+  expect_close(copy->forward(x), linear(x), 0, "clone");
+  std::ostringstream printed;
+  printed << *linear;
+  EXPECT_EQ(printed.str(), "mpipe::Linear(in_features=6, out_features=4, bias=true)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, AutocastCall, ::testing::Values(true, false),
@@ -479,7 +520,14 @@ TEST(AutocastCuda, EachWeightIsCastOncePerCall_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   for (bool threads : {true, false}) {
     SCOPED_TRACE(threads ? "threads" : "inline");
-    const auto n = count_casts("cuda:0", threads);
+    {  // torch::nn::Linear: a cast per call (Note [Linear under autocast])
+      const auto n = count_casts("cuda:0", threads, /*aten_linear=*/false);
+      EXPECT_EQ(n.plain_forward, 24);
+      EXPECT_EQ(n.forward, 24);
+      EXPECT_EQ(n.plain_train, 12);
+      EXPECT_EQ(n.train, 12);
+    }
+    const auto n = count_casts("cuda:0", threads, /*aten_linear=*/true);
     EXPECT_EQ(n.plain_forward, 3) << "a plain loop casts each weight once";
     EXPECT_EQ(n.forward, 3) << "forward: one cast per weight, not one per micro-batch";
     EXPECT_EQ(n.plain_train, 3);

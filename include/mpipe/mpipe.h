@@ -8,6 +8,7 @@
 #include <mpipe/checkpoint.h>
 #include <mpipe/device.h>
 #include <mpipe/grad_scaler.h>
+#include <mpipe/linear.h>
 #include <mpipe/memory.h>
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>

@@ -1,0 +1,74 @@
+#pragma once
+
+// mpipe::Linear: torch::nn::Linear whose weight autocast casts once per scope.
+//
+//   torch::nn::Sequential stage(mpipe::Linear(4096, 4096), torch::nn::ReLU());
+//
+// Note [Linear under autocast]
+// LibTorch's torch::nn::Linear computes addmm(bias, x, weight.t()) (for input
+// of other ranks, matmul(x, weight.t()) + bias). Under autocast the cast is of
+// the transposed view, and autocast's cache keeps casts of leaf tensors only,
+// so the weight is cast again at every call: a pipeline with m micro-batches
+// casts every weight m times per step (wide-mlp in bf16: 64 casts of 256 MiB
+// weights per forward, 7 of its 18 ms; bench/RESULTS.md). Python's nn.Linear
+// calls aten::linear, whose weight autocast casts once per scope and re-uses.
+// mpipe::Linear is the same module with that forward: the same options,
+// initialisation (the same values from the same seed), parameter names and
+// state dicts as torch::nn::Linear. Without autocast, 2-D input computes the
+// same addmm; input of other ranks goes through aten::linear's fused bias
+// instead of a separate addition (rounding may differ in the last bit).
+
+#include <ATen/ATen.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/init.h>
+#include <torch/nn/options/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cmath>
+#include <ostream>
+#include <utility>
+
+namespace mpipe {
+
+class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features)
+      : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  explicit LinearImpl(torch::nn::LinearOptions options) : options(std::move(options)) {
+    reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall): as torch::nn::Linear
+  }
+
+  void reset() override {
+    weight = register_parameter(
+        "weight", torch::empty({options.out_features(), options.in_features()}));
+    bias = options.bias() ? register_parameter("bias", torch::empty(options.out_features()))
+                          : register_parameter("bias", {}, /*requires_grad=*/false);
+    reset_parameters();
+  }
+
+  /// torch::nn::Linear's initialisation: Kaiming-uniform weight (a = sqrt(5)),
+  /// bias uniform in +-1/sqrt(in_features).
+  void reset_parameters() {
+    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias.defined()) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+      torch::nn::init::uniform_(bias, -bound, bound);
+    }
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "mpipe::Linear(in_features=" << options.in_features()
+           << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+           << options.bias() << ")";
+  }
+
+  torch::Tensor forward(const torch::Tensor& input) { return at::linear(input, weight, bias); }
+
+  torch::nn::LinearOptions options;
+  torch::Tensor weight;
+  torch::Tensor bias;
+};
+
+TORCH_MODULE(Linear);
+
+}  // namespace mpipe
