@@ -20,8 +20,11 @@
 // leave the cache alone. LibTorch 1.13 keeps one per thread, which nothing
 // would ever clear on a worker, so there each worker clears its own at the end
 // of each call (autocast_cache_per_thread). A CUDA graph is captured with the
-// cache off, as torch.cuda.make_graphed_callables asks, and the state is part
-// of the graph's key.
+// cache on, so that a weight is cast once for all micro-batches in the graph
+// too, and the cache is cleared as soon as the capture ends: no cast made in
+// the graph's memory outlives the capture in the cache (the reason
+// torch.cuda.make_graphed_callables asks for the cache off, where the autocast
+// scope may outlast the capture). The state is part of the graph's key.
 
 #include <c10/core/ScalarType.h>
 

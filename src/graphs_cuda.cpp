@@ -105,11 +105,17 @@ void capture(at::cuda::CUDAGraph& graph, const std::function<void()>& before,
   ready.block(side);
   {
     c10::cuda::CUDAStreamGuard stream_guard(side);
-    // Casts made in the graph are not cached (Note [Autocast in the pipeline]).
-    AutocastState no_cache = AutocastState::current();
-    no_cache.cache = false;
-    AutocastScope autocast(no_cache);
+    // Casts made in the capture are cached for the capture's micro-batches and
+    // dropped when it ends (Note [Autocast in the pipeline]).
+    struct DropCasts {
+      ~DropCasts() {
+        if (AutocastState::current().any()) clear_autocast_cache();
+      }
+    } drop_casts;
     before();
+    // Casts cached by the warm-up live outside the graph: the capture must
+    // make its own, or its replays would read the warm-up's.
+    if (AutocastState::current().any()) clear_autocast_cache();
     // Thread-local mode: only this thread is barred from unsafe CUDA calls
     // while capturing; the autograd engine's thread and others run freely.
     graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);

@@ -535,6 +535,46 @@ TEST(AutocastCuda, EachWeightIsCastOncePerCall_CUDA) {
   }
 }
 
+TEST(AutocastCuda, AGraphCastsEachWeightOnceAndReplaysSeeNewWeights_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(40);
+  ModelPipeline pipe(ModelPipelineOptions().cuda_graphs(true));
+  std::vector<torch::nn::Sequential> stages;
+  for (int s = 0; s < 3; ++s) {
+    stages.push_back(torch::nn::Sequential(mpipe::Linear(24, 24), torch::nn::Tanh()));
+    pipe->append(stages.back(), "cuda:0");
+  }
+  const auto x = torch::randn({32, 24}, torch::kCUDA);
+  auto plain = [&] {  // the micro-batches one after another, fresh casts
+    AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+    std::vector<torch::Tensor> parts;
+    for (int64_t i = 0; i < 8; ++i) {
+      auto h = rows(x, i, 4);
+      for (auto& s : stages) h = s->forward(h);
+      parts.push_back(h);
+    }
+    return torch::cat(parts);
+  };
+  torch::NoGradGuard no_grad;
+  for (int call = 0; call < 4; ++call) {  // capture, then replays
+    SCOPED_TRACE("call " + std::to_string(call));
+    torch::Tensor y;
+    int casts = 0;
+    {
+      AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+      CastCounter counter({24, 24});
+      y = pipe->forward(x, 4);
+      casts = counter.count();
+    }
+    // The first call warms up and captures, one cast per weight each; a
+    // replay dispatches no op, its casts are kernels in the graph.
+    EXPECT_EQ(casts, call == 0 ? 6 : 0);
+    expect_close(y, plain(), 0, "the graph's result");
+    for (auto& p : pipe->parameters()) p.mul_(0.9);  // an optimizer step: replays cast anew
+  }
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+}
+
 TEST(AutocastCuda, EveryCallKindInBFloat16EagerAndGraphed_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   torch::manual_seed(36);
