@@ -181,6 +181,16 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
       guarded(r, "mpipe_graph_fwd_ms",
               [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
+      // Two streams per stage (Note [Lanes]), eager and graphed.
+      for (bool graphs : {false, true}) {
+        mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
+                                       .worker_threads(!inline_host)
+                                       .lanes(2)
+                                       .cuda_graphs(graphs));
+        for (size_t s = 0; s < stages.size(); ++s) laned->append(stages[s], devices[s]);
+        guarded(r, graphs ? "mpipe_graph_lanes2_fwd_ms" : "mpipe_lanes2_fwd_ms",
+                [&] { return timer.median_ms([&] { laned->forward(x, split); }); });
+      }
     }
   }
   r["plain_train_ms"] = timer.median_ms([&] {

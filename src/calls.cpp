@@ -74,6 +74,15 @@ Tensors ModelPipelineImpl::State::forward_items(const std::vector<Input>& in, in
   spec.remote = remote;
   std::vector<Tensors> outs(static_cast<size_t>(spec.n_items));
   spec.sink = [&](int64_t i, Tensors o) { outs[static_cast<size_t>(i)] = std::move(o); };
+  const int64_t lanes = self.options.lanes();
+  TORCH_CHECK(lanes >= 1, "mpipe::ModelPipeline::forward: ModelPipelineOptions::lanes must be at "
+              "least 1, got ", lanes);
+  if (lanes > 1 && !remote) {  // Note [Lanes]: stages that keep no state
+    spec.lanes = lanes;
+    for (size_t j = 0; j < stateful.size(); ++j) {
+      spec.lane_stages.push_back(stateful[j].empty() && stages[j]->buffers().empty());
+    }
+  }
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
   return for_caller(detail::gather("forward", "micro-batch", n_stages - 1, outs, false, true));

@@ -236,9 +236,47 @@ void Executor::add_stage(c10::Device device) {
   stages_.push_back(stage);
 }
 
+// Note [Lanes]
+// ~~~~~~~~~~~~
+// On one GPU a small stage's kernels fill a fraction of it (narrow-mlp: a GEMM
+// of 64 x 1024 x 1024 runs on 16 of the H200's 132 SMs), and one stream per
+// stage lets at most one micro-batch per stage run at a time. With lanes(k), a
+// forward call computes micro-batch i of stage j on lane i % k of the stage:
+// lane 0 is its compute stream, lanes 1..k-1 are shared streams of their own.
+// A value's event is recorded on the lane that produced it and waited for on
+// the lane that consumes it (Note [Hand-offs]); fork() and join() cover every
+// lane, so a CUDA graph captures them too. Micro-batches of one stage are
+// independent only when the stage keeps no state, so stages with buffers or
+// stateful modules, training steps (whose backward follows each forward's
+// stream) and time-step calls keep one stream. The values are the same: each
+// micro-batch runs the same kernels, only their order on the GPU changes.
+
+c10::optional<c10::Stream> Executor::stream_for(const CallSpec& call, int64_t j, int64_t i) const {
+  const StagePlace& stage = place(j);
+  if (call.lanes <= 1 || !stage.compute || !call.lane_stages[local(j)]) return stage.compute;
+  const auto lane = static_cast<size_t>(i % call.lanes);
+  if (lane == 0 || lane > stage.lanes.size()) return stage.compute;
+  return stage.lanes[lane - 1];
+}
+
+void Executor::ensure_lanes(int64_t k) {
+  for (size_t j = 0; j < stages_.size(); ++j) {
+    StagePlace& stage = stages_[j];
+    if (!stage.compute) continue;
+    size_t on_device = 0;
+    for (size_t q = 0; q < j; ++q) on_device += stages_[q].device == stage.device;
+    // Slots past the stages' own (Note [Shared streams and workers]).
+    while (static_cast<int64_t>(stage.lanes.size()) + 1 < k) {
+      stage.lanes.push_back(shared_stream(stage.device, StreamRole::Compute,
+                                          64 + 16 * on_device + stage.lanes.size()));
+    }
+  }
+}
+
 void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
   CallSpec& call = *run.call;
   const StagePlace& stage = place(j);
+  const c10::optional<c10::Stream> compute = stream_for(call, j, i);  // Note [Lanes]
   const bool last = j + 1 == n_total();
   Tensors in;
   if (j == 0 && call.same_input && i > 0) {
@@ -261,11 +299,11 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
     sv->inputs = in;
   }
 
-  c10::OptionalStreamGuard stream_guard(stage.compute);
+  c10::OptionalStreamGuard stream_guard(compute);
   MicroBatchGuard micro_batch(call.micro_batched ? MicroBatch{i, call.n_items} : MicroBatch{});
   // Ends before the hand-off, so the next stage's task starts after it.
   c10::optional<TaskSpan> span;
-  span.emplace(call.recorder, j, i, TaskKind::Forward, stage.device, stage.compute);
+  span.emplace(call.recorder, j, i, TaskKind::Forward, stage.device, compute);
   Tensors out;
   {
     RngScope draws(run.rng, j, i);
@@ -552,6 +590,16 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
       stages_, first_, threaded || call.remote != nullptr, call.recorder,
       call.remote ? call.remote->group().timeout() : std::chrono::milliseconds(0));
   run->transport = run->local.get();
+  const bool lanes = call.lanes > 1 && !call.training && !call.remote;
+  if (lanes) {
+    TORCH_INTERNAL_ASSERT(call.lane_stages.size() == stages_.size());
+    ensure_lanes(call.lanes);
+    run->local->stream_of = [this, &call](int64_t to, int64_t item) {
+      return stream_for(call, to, item);
+    };
+  } else {
+    call.lanes = 1;
+  }
   if (call.remote) {
     run->remote = std::make_unique<RemoteTransport>(
         *run->local, *call.remote, first_, first_ + n_local, &run->skips,
@@ -618,7 +666,9 @@ void Executor::fork() const {
     if (!first_on_device) continue;
     const auto event = record_event(current_stream(stages_[j].device));
     for (const StagePlace& s : stages_) {
-      if (s.device == stages_[j].device) event->block(*s.compute);
+      if (s.device != stages_[j].device) continue;
+      event->block(*s.compute);
+      for (const auto& lane : s.lanes) event->block(lane);
     }
   }
 }
@@ -626,6 +676,7 @@ void Executor::fork() const {
 void Executor::join() const {
   for (const StagePlace& s : stages_) {
     if (s.compute) record_event(*s.compute)->block(current_stream(s.device));
+    for (const auto& lane : s.lanes) record_event(lane)->block(current_stream(s.device));
   }
 }
 

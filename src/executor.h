@@ -98,6 +98,10 @@ struct CallSpec {
   std::vector<Tensors> input_grads;
   std::vector<at::Tensor> losses;
 
+  /// Forward calls: stage j (local index) spreads its items over `lanes`
+  /// streams when `lane_stages[j]` (Note [Lanes]).
+  int64_t lanes = 1;
+  std::vector<bool> lane_stages;
   /// Records every task when the timeline is on (Note [Timeline]); else null.
   Recorder* recorder = nullptr;
 
@@ -173,6 +177,11 @@ class Executor {
                                       int64_t item) const;
 
   const StagePlace& place(int64_t stage) const { return stages_[local(stage)]; }
+  /// The stream stage `stage` computes item `item` of `call` on: a lane, or
+  /// its compute stream (Note [Lanes]).
+  c10::optional<c10::Stream> stream_for(const CallSpec& call, int64_t stage, int64_t item) const;
+  /// Makes `k` - 1 lane streams for every CUDA stage (Note [Lanes]).
+  void ensure_lanes(int64_t k);
   size_t local(int64_t stage) const { return static_cast<size_t>(stage - first_); }
 
   std::vector<StagePlace> stages_;

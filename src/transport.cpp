@@ -23,7 +23,17 @@ void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors valu
   Parcel parcel{std::move(values), nullptr, from};
   if (from >= 0) {
     const StagePlace& producer = place(from);
-    if (producer.compute) parcel.ready = record_event(*producer.compute);
+    if (producer.compute) {
+      // The producer's lane, when it computed on one (its current stream then).
+      c10::Stream on = *producer.compute;
+      if (!producer.lanes.empty()) {
+        const c10::Stream current = current_stream(producer.device);
+        for (const auto& lane : producer.lanes) {
+          if (lane == current) on = current;
+        }
+      }
+      parcel.ready = record_event(on);
+    }
   }
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
   {
@@ -142,17 +152,18 @@ Tensors LocalTransport::accept(int64_t to, int64_t item, Tensors values,
 at::Tensor LocalTransport::move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready,
                                 int64_t to, int64_t item) const {
   const StagePlace& stage = place(to);
+  const c10::optional<c10::Stream> compute = stream_of ? stream_of(to, item) : stage.compute;
   const c10::Device src = value.device();
   if (src == stage.device) {
-    if (stage.compute) {
-      if (ready) ready->block(*stage.compute);
-      record_on(value, *stage.compute);
+    if (compute) {
+      if (ready) ready->block(*compute);
+      record_on(value, *compute);
     }
     return value;
   }
   if (src.is_cpu()) {
-    c10::StreamGuard guard(*stage.compute);
-    TaskSpan span(recorder_, to, item, TaskKind::Copy, stage.device, stage.compute);
+    c10::StreamGuard guard(*compute);
+    TaskSpan span(recorder_, to, item, TaskKind::Copy, stage.device, compute);
     return value.to(stage.device, /*non_blocking=*/true);
   }
   const c10::Stream copy =
@@ -165,7 +176,7 @@ at::Tensor LocalTransport::move(const at::Tensor& value, const std::shared_ptr<c
     TaskSpan span(recorder_, to, item, TaskKind::Copy, stage.device, c10::nullopt);
     return value.to(stage.device, /*non_blocking=*/false);
   }
-  const c10::Stream streams[] = {copy, *stage.compute};
+  const c10::Stream streams[] = {copy, *compute};
   c10::MultiStreamGuard guard(streams);
   TaskSpan span(recorder_, to, item, TaskKind::Copy, stage.device, copy);
   at::Tensor out = value.to(stage.device, /*non_blocking=*/true);

@@ -32,6 +32,8 @@ struct StagePlace {
   c10::optional<c10::Stream> compute;
   /// Copies from the previous stage's device, when that is another accelerator.
   c10::optional<c10::Stream> copy_in;
+  /// Lanes 1, 2, ... of the stage's forward (lane 0 is `compute`; Note [Lanes]).
+  std::vector<c10::Stream> lanes;
 };
 
 /// What is being moved: an item's activations (to the next stage), the
@@ -114,6 +116,9 @@ class LocalTransport : public Transport {
   /// stream; null for host values) fires, made usable by stage `to`.
   Tensors accept(int64_t to, int64_t item, Tensors values,
                  const std::shared_ptr<c10::Event>& ready) const;
+  /// The stream stage `to` computes item `item` on, when lanes are in use
+  /// (Note [Lanes]); unset: the stage's compute stream.
+  std::function<c10::optional<c10::Stream>(int64_t to, int64_t item)> stream_of;
 
  private:
   struct Parcel {

@@ -27,11 +27,12 @@ double ms_since(Clock::time_point t0) {
 /// Builds stages and the matching pipeline on `devices`, runs forward with
 /// several splits and input devices, and compares output and gradients with
 /// the plain model.
-void check_forward_transparent(const std::vector<torch::Device>& devices, bool threads) {
+void check_forward_transparent(const std::vector<torch::Device>& devices, bool threads,
+                               int64_t lanes = 1) {
   torch::manual_seed(7);
   const int64_t width = 8, batch = 12;
   std::vector<torch::nn::Sequential> stages;
-  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads).lanes(lanes));
   for (auto& d : devices) {
     stages.push_back(mlp_stage(width, width));
     stages.back()->to(torch::kDouble);
@@ -92,6 +93,38 @@ TEST(Placement, ForwardAllStagesOnOneGpu_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device g("cuda:0");
   for (bool threads : {true, false}) check_forward_transparent({g, g, g, g}, threads);
+}
+
+TEST(Placement, LanesGiveThePlainModelsResults_CUDA) {
+  // Note [Lanes]: outputs and gradients as the plain model's, whichever lane
+  // each micro-batch ran on; a stage with buffers keeps one stream.
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0"), c(torch::kCPU);
+  for (bool threads : {true, false}) {
+    for (int64_t lanes : {2, 3}) {
+      SCOPED_TRACE("lanes " + std::to_string(lanes));
+      check_forward_transparent({g, g, g, g}, threads, lanes);
+      check_forward_transparent({c, g, g, c}, threads, lanes);
+    }
+  }
+  for (bool graphs : {false, true}) {  // a stage with buffers beside stateless ones; graphed
+    SCOPED_TRACE(graphs ? "graphed" : "eager");
+    torch::manual_seed(12);
+    auto first = mlp_stage(16, 16), last = mlp_stage(16, 16);
+    torch::nn::Sequential norm(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16));
+    norm->eval();
+    auto pipe = ModelPipeline(ModelPipelineOptions().lanes(4).cuda_graphs(graphs));
+    pipe->append(first, g).append(norm, g).append(last, g);
+    const auto x = torch::randn({40, 16}, g);
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> parts;
+    for (int64_t i = 0; i < 10; ++i) {
+      parts.push_back(last->forward(norm->forward(first->forward(x.narrow(0, 4 * i, 4)))));
+    }
+    const auto want = torch::cat(parts);
+    for (int call = 0; call < 3; ++call) expect_close(pipe->forward(x, 4), want, 1e-6, "lanes 4");
+    if (graphs) EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+  }
 }
 
 TEST(Placement, ConstantForwardAllStagesOnOneGpu_CUDA) {

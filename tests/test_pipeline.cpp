@@ -369,3 +369,17 @@ TEST(Devices, CpuOnlyLibTorchRefusesCuda) {
   MPIPE_EXPECT_ERROR(mpipe::resolve_device("0"), "CUDA");
   MPIPE_EXPECT_ERROR(mpipe::resolve_device(torch::kCUDA), "CUDA");
 }
+
+TEST(PipelineBuild, LanesAreRefusedBelowOneAndChangeNothingOnTheCpu) {
+  torch::manual_seed(13);
+  auto a = mlp_stage(6, 6), b = mlp_stage(6, 6);
+  auto pipe = ModelPipeline(ModelPipelineOptions().lanes(3));
+  pipe->append(a, "cpu").append(b, "cpu");
+  const auto x = torch::randn({9, 6});
+  torch::NoGradGuard no_grad;
+  expect_close(pipe->forward(x, 2), b->forward(a->forward(x)), 1e-6, "lanes on the CPU");
+  pipe->options.lanes(0);
+  MPIPE_EXPECT_ERROR(pipe->forward(x, 2), "lanes must be at least 1", "got 0");
+  pipe->options.lanes(1);
+  expect_close(pipe->forward(x, 2), b->forward(a->forward(x)), 1e-6, "usable after the error");
+}

@@ -362,10 +362,12 @@ TORCH_MODULE(Up3);
 
 struct UNet {
   explicit UNet(bool threaded, Checkpoint ckpt = Checkpoint::Never,
-                std::vector<torch::Device> devices = std::vector<torch::Device>(4, torch::kCPU))
+                std::vector<torch::Device> devices = std::vector<torch::Device>(4, torch::kCPU),
+                int64_t lanes = 1)
       : devices(devices) {
     s1->fault = s2->fault = s3->fault = fault;
-    pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threaded).checkpoint(ckpt));
+    pipe = ModelPipeline(
+        ModelPipelineOptions().worker_threads(threaded).checkpoint(ckpt).lanes(lanes));
     pipe->append(s0, devices[0]).append(s1, devices[1]).append(s2, devices[2]);
     pipe->append(s3, devices[3]);
     pipe->to(torch::kDouble);
@@ -573,6 +575,24 @@ TEST(SkipsAcrossDevices, SkipsMoveBetweenDevices_CUDA) {
       // enc0 goes from the GPU to the CPU, enc1 from the CPU to the GPU.
       UNet net(threaded, ckpt, {gpu, cpu, gpu, cpu});
       expect_unet_equals_plain(net, 1e-10);
+    }
+  }
+}
+
+TEST(SkipsAcrossDevices, SkipsCrossLanes_CUDA) {
+  // Note [Lanes]: stashed on one lane of a stage, popped on another lane of a
+  // later stage, on one GPU and across the CPU.
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device cpu(torch::kCPU), gpu(torch::kCUDA, 0);
+  for (bool threaded : {true, false}) {
+    for (int64_t lanes : {2, 3}) {
+      SCOPED_TRACE(std::string(threaded ? "threads" : "inline") + ", lanes " +
+                   std::to_string(lanes));
+      torch::manual_seed(9);
+      UNet net(threaded, Checkpoint::Never, {gpu, gpu, gpu, gpu}, lanes);
+      expect_unet_equals_plain(net, 1e-10);
+      UNet mixed(threaded, Checkpoint::Never, {gpu, cpu, gpu, gpu}, lanes);
+      expect_unet_equals_plain(mixed, 1e-10);
     }
   }
 }

@@ -29,6 +29,15 @@ struct ModelPipelineOptions {
   /// when a call does not qualify, the call runs as usual. See Notes [CUDA
   /// graphs] and [Graphed training steps].
   TORCH_ARG(bool, cuda_graphs) = false;
+  /// forward() on CUDA: each stage spreads its micro-batches over this many
+  /// streams (micro-batch i on lane i % lanes), so up to `lanes` micro-batches
+  /// of one stage run on the GPU at once. It pays where a stage's kernels are
+  /// too small to fill the GPU (several stages on one GPU, small micro-batches);
+  /// results are the same. Only stages that hold no state (no buffers, no
+  /// stateful modules) spread; the others, training steps and time-step calls
+  /// use one stream per stage. 1 (the default): one stream per stage. See
+  /// Note [Lanes].
+  TORCH_ARG(int64_t, lanes) = 1;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
   /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].
