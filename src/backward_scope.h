@@ -15,8 +15,11 @@
 // stage's backward, and the stages' host work proceeds in parallel, as their
 // forwards do. Each node still runs on the stream of its forward, so the GPU
 // sees the same work. LibTorch 1.x lacks the flag and keeps the engine's
-// threads (its CPU nodes already run on the calling thread). Backward also
-// runs with autocast off (Note [Autocast in the pipeline]).
+// threads (its CPU nodes already run on the calling thread). One backward
+// through stages on several devices (constant_train_step's) keeps the
+// engine's threads, one per device, which run those devices' nodes in
+// parallel; so does the caller's own graph upstream of the pipeline. Backward
+// always runs with autocast off (Note [Autocast in the pipeline]).
 
 #include "autocast.h"
 
@@ -32,11 +35,15 @@ namespace detail {
 
 class BackwardScope {
  public:
-  BackwardScope() {
+  /// `on_this_thread`: run the backward on this thread (LibTorch 2); else on
+  /// the engine's threads.
+  explicit BackwardScope(bool on_this_thread = true) {
 #ifdef MPIPE_BACKWARD_ON_CALLER
     auto& state = c10::AutogradState::get_tls_state();
     previous_ = state.get_multithreading_enabled();
-    state.set_multithreading_enabled(false);
+    if (on_this_thread) state.set_multithreading_enabled(false);
+#else
+    (void)on_this_thread;
 #endif
   }
   ~BackwardScope() {
@@ -46,15 +53,6 @@ class BackwardScope {
   }
   BackwardScope(const BackwardScope&) = delete;
   BackwardScope& operator=(const BackwardScope&) = delete;
-
-  /// Whether backward runs on the calling thread with this LibTorch.
-  static constexpr bool on_caller() {
-#ifdef MPIPE_BACKWARD_ON_CALLER
-    return true;
-#else
-    return false;
-#endif
-  }
 
  private:
   NoAutocast no_autocast_;

@@ -218,7 +218,7 @@ Executor::Executor() = default;
 Executor::~Executor() = default;
 
 void Executor::add_stage(c10::Device device) {
-  StagePlace stage{device, c10::nullopt, c10::nullopt};
+  StagePlace stage{device, c10::nullopt, c10::nullopt, {}};
   // Note [Shared streams and workers]: the k-th stage on a device, the k-th
   // boundary leaving a device.
   size_t on_device = 0;

@@ -276,7 +276,7 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
       roots.push_back(inputs[k].tensor);
       grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
     }
-    detail::BackwardScope backward_scope;
+    detail::NoAutocast no_autocast;  // the caller's graph: the engine's threads
     torch::autograd::backward(roots, grads);
   }
   replicas.reduce(mean, loss_sum);
@@ -447,7 +447,8 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
       loss = loss.reshape({});
       std::string failure;
       try {
-        detail::BackwardScope backward_scope;  // Note [Backward on the worker's thread]
+        // Note [Backward on the worker's thread]
+        detail::BackwardScope backward_scope(one_device());
         torch::autograd::backward({loss});
       } catch (const c10::Error& e) {
         failure = e.what_without_backtrace();
@@ -588,7 +589,7 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
     phase = "backward";
     item = -1;
     if (!roots.empty()) {
-      detail::BackwardScope backward_scope;
+      detail::BackwardScope backward_scope(one_device());
       torch::autograd::backward(roots, grads);
     }
     executor.join();
