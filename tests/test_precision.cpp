@@ -373,14 +373,17 @@ TEST_P(AutocastCall, AFailedCallLeavesNoAutocastStateBehind) {
 
 namespace {
 
-/// Counts the casts of float32 tensors of `shape` (aten::_to_copy) made on any
-/// thread while it lives.
+/// Counts the casts of float32 tensors of `shape` (aten::_to_copy) made while
+/// it lives, on this thread and on the threads that take this thread's state
+/// (the pipeline's workers and the autograd engine's threads do). A callback
+/// of this thread, not a global one: removing a global callback takes a mutex
+/// inside LibTorch that ThreadSanitizer cannot see.
 class CastCounter {
  public:
   explicit CastCounter(std::vector<int64_t> shape) {
     shape_ = std::move(shape);
     count_ = 0;
-    handle_ = at::addGlobalCallback(
+    handle_ = at::addThreadLocalCallback(
         at::RecordFunctionCallback(
             [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
               if (std::string(fn.name()) != "aten::_to_copy") return nullptr;
