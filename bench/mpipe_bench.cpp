@@ -197,6 +197,13 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
     pipe->zero_grad();
     run_plain(stages, devices, x).pow(2).mean().backward();
   });
+  // Plain LibTorch on the same micro-batches (gradient accumulation, one
+  // stream): what micro-batching itself costs, pipeline or not.
+  r["plain_microbatch_train_ms"] = timer.median_ms([&] {
+    pipe->zero_grad();
+    const double n = static_cast<double>(x.numel());
+    for (const auto& chunk : x.split(split)) run_plain(stages, devices, chunk).pow(2).sum().div(n).backward();
+  });
   r["mpipe_train_ms"] = timer.median_ms([&] {
     pipe->zero_grad();
     pipe->train_step(x, target, loss_fn, mpipe::TrainStepOptions(split));
