@@ -3,6 +3,7 @@
 #include "autocast.h"
 #include "backward_scope.h"
 #include "backward_positions.h"
+#include "cast_grads.h"
 #include "errors.h"
 #include "recorder.h"
 #include "remote.h"
@@ -186,6 +187,7 @@ struct Executor::Run {
   SkipTable skips;
   Tensors stage0_input;                   // same_input: received once
   std::vector<std::vector<Saved>> saved;  // [stage][item], training only
+  std::vector<std::unique_ptr<CastGrads>> cast_grads;  // [stage]: Note [Cast gradients per step]
 
   std::mutex mutex;  // guards what follows
   std::atomic<bool> failed{false};
@@ -331,9 +333,15 @@ void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase
           }
           return t;
         });
+    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
     if (ckpt) {
       if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[local(j)]);
       c10::NoGradGuard no_grad;
+      // No cast made here may enter autocast's cache: made without grad, it
+      // would serve the recompute, and no gradient would reach its weight.
+      AutocastState uncached = AutocastState::current();
+      uncached.cache = false;
+      AutocastScope autocast(uncached);
       out = (*run.forwards)[local(j)](in);
     } else {
       out = (*run.forwards)[local(j)](in);
@@ -400,6 +408,7 @@ void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phas
                                      : StateSnapshot((*call.stateful)[local(j)])};
     sv.state_before.load();
     RecomputeGuard recompute;
+    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
         [&](const std::string& name) {
@@ -616,6 +625,9 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   if (call.training) {
     run->saved.assign(static_cast<size_t>(n_local),
                       std::vector<Run::Saved>(static_cast<size_t>(call.n_items)));
+    if (call.accumulate_cast_grads) {
+      for (int64_t j = 0; j < n_local; ++j) run->cast_grads.push_back(std::make_unique<CastGrads>());
+    }
   }
   fork();
   struct Detach {  // no message reaches the transport once this call is over
@@ -652,6 +664,17 @@ void Executor::run(CallSpec& call, const std::vector<StageForward>& forwards, bo
   }
   if (call.remote) call.remote->detach();
 
+  // Each stage's summed cast gradients into .grad, after its last backward
+  // (Note [Cast gradients per step]); a failed step adds none.
+  for (size_t j = 0; j < run->cast_grads.size() && !run->error; ++j) {
+    try {
+      c10::OptionalStreamGuard stream_guard(stages_[j].compute);
+      run->cast_grads[j]->flush();
+    } catch (...) {
+      run->error = describe_failure(call, "summing the cast weights' gradients after micro-batch",
+                                    first_ + static_cast<int64_t>(j), call.n_items - 1);
+    }
+  }
   join();  // also after a failure: the caller may free what the stages used
   run->saved.clear();  // a failed step leaves activations behind: drop them
   run->stage0_input.clear();

@@ -93,6 +93,9 @@ struct CallSpec {
   const std::vector<std::vector<StatefulModule>>* stateful = nullptr;
   /// Which of stage 0's inputs need gradients (by position).
   std::vector<bool> input_requires_grad;
+  /// mpipe::Linear sums its cast weight's gradients per stage and step (Note
+  /// [Cast gradients per step]).
+  bool accumulate_cast_grads = false;
   /// Results: the gradients of stage 0's inputs per item ([item][input]), and
   /// each item's loss, detached.
   std::vector<Tensors> input_grads;

@@ -49,6 +49,7 @@ struct ModelPipelineImpl::State {
   std::vector<std::vector<detail::StatefulModule>> stateful;  // per stage
   detail::Executor executor;
   std::shared_ptr<detail::GraphCache> graphs;  // null without CUDA
+  bool in_graphed_step = false;  // run_step is capturing or warming up a graph
   mutable std::mutex call_mutex;  // one call at a time: stages' state must see calls in order
   std::shared_ptr<detail::Recorder> pending_timeline;  // the last recorded call
   Timeline timeline;                                   // ...once resolved

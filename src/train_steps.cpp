@@ -177,6 +177,11 @@ at::Tensor ModelPipelineImpl::State::run_step(
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
   if (graphable_call && self.options.cuda_graphs() && step_graphable(x, target)) {
     detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+    struct Flag {  // graphed steps keep autograd's accumulation (Note [Cast gradients per step])
+      bool& on;
+      explicit Flag(bool& f) : on(f) { on = true; }
+      ~Flag() { on = false; }
+    } graphed{in_graphed_step};
     at::Tensor loss = detail::run_graphed_step(
         *graphs, key.str(), {x, target}, self.parameters(),
         [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
@@ -209,6 +214,7 @@ at::Tensor ModelPipelineImpl::State::step_items(const std::vector<Input>& inputs
   spec.item_name = "micro-batch";
   spec.training = true;
   spec.micro_batched = true;
+  spec.accumulate_cast_grads = self.options.accumulate_cast_grads() && !in_graphed_step;
   spec.remote = remote;
   spec.n_items = info.n_items;
   const auto schedule = static_cast<Schedule>(info.schedule);

@@ -513,6 +513,146 @@ TEST(MpipeLinear, IsTorchLinearWithACachedCast) {
   EXPECT_EQ(printed.str(), "mpipe::Linear(in_features=6, out_features=4, bias=true)");
 }
 
+namespace {
+
+/// Three stages of mpipe::Linear (Tanh, ReLU between) on `device`.
+struct LinearModel {
+  LinearModel(int64_t width, const std::string& device) {
+    torch::manual_seed(37);
+    for (int s = 0; s < 3; ++s) {
+      torch::nn::Sequential stage(mpipe::Linear(width, width));
+      if (s == 0) stage->push_back(torch::nn::Tanh());
+      if (s == 1) stage->push_back(torch::nn::ReLU());
+      stage->to(torch::Device(device));
+      stages.push_back(stage);
+    }
+  }
+  std::vector<mpipe::LinearImpl*> linears() const {
+    std::vector<mpipe::LinearImpl*> out;
+    for (auto s : stages) out.push_back(s[0]->as<mpipe::LinearImpl>());
+    return out;
+  }
+  std::map<std::string, torch::Tensor> grads() const {
+    std::map<std::string, torch::Tensor> out;
+    for (size_t j = 0; j < stages.size(); ++j) {
+      for (const auto& kv : grads_of(*stages[j])) out[std::to_string(j) + "." + kv.first] = kv.second;
+    }
+    return out;
+  }
+  void zero() const {
+    for (auto s : stages) zero_grads(*s);
+  }
+  /// The step of Note [Cast gradients per step] written out: one bf16 leaf
+  /// copy of each weight, the micro-batches' backwards summing into it, one
+  /// addition to .grad at the end. `copies` false: the weights themselves
+  /// (each micro-batch's gradient converted and added on its own).
+  torch::Tensor reference_step(const torch::Tensor& x, const torch::Tensor& target, int64_t split,
+                               torch::DeviceType type, bool copies) const {
+    std::vector<torch::Tensor> ws;
+    for (auto* l : linears()) {
+      ws.push_back(copies ? l->weight.detach().to(torch::kBFloat16).requires_grad_() : l->weight);
+    }
+    torch::Tensor total;
+    const int64_t n = (x.size(0) + split - 1) / split;
+    for (int64_t i = 0; i < n; ++i) {
+      torch::Tensor loss;
+      {
+        AutocastGuard bf16(type, torch::kBFloat16);
+        torch::Tensor h = rows(x, i, split);
+        const auto ls = linears();
+        for (size_t j = 0; j < ls.size(); ++j) {
+          h = at::linear(h, ws[j], ls[j]->bias);
+          if (j == 0) h = torch::tanh(h);
+          if (j == 1) h = torch::relu(h);
+        }
+        loss = torch::mse_loss(h, rows(target, i, split)) *
+               (static_cast<double>(rows(x, i, split).size(0)) / static_cast<double>(x.size(0)));
+      }
+      loss.backward();
+      total = total.defined() ? total + loss.detach() : loss.detach();
+    }
+    if (copies) {
+      const auto ls = linears();
+      for (size_t j = 0; j < ls.size(); ++j) {
+        torch::NoGradGuard no_grad;
+        auto& g = ls[j]->weight.mutable_grad();
+        g = g.defined() ? g + ws[j].grad() : ws[j].grad().to(torch::kFloat);
+      }
+    }
+    return total;
+  }
+  std::vector<torch::nn::Sequential> stages;
+};
+
+/// train_step under bf16 autocast with mpipe::Linear stages sums each cast
+/// weight's gradients per step: the same numbers as the step written out,
+/// under every schedule, with and without checkpointing; with the option off,
+/// those of the plain loop; a failed step adds nothing; two steps add up.
+void check_cast_grads(const std::string& device, bool threads, double tol) {
+  const auto type = torch::Device(device).type();
+  const LinearModel model(16, device);
+  const auto x = torch::randn({12, 16}, torch::Device(device));
+  const auto target = torch::randn({12, 16}, torch::Device(device));
+  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); };
+  for (bool on : {true, false}) {
+    model.zero();
+    const auto loss_ref = model.reference_step(x, target, 4, type, /*copies=*/on);
+    const auto ref = model.grads();
+    model.zero();
+    for (auto checkpoint : {Checkpoint::Never, Checkpoint::Always}) {
+      ModelPipeline pipe(ModelPipelineOptions()
+                             .worker_threads(threads)
+                             .checkpoint(checkpoint)
+                             .accumulate_cast_grads(on));
+      for (auto s : model.stages) pipe->append(s, device);
+      for (auto schedule : all_schedules()) {
+        SCOPED_TRACE(schedule_name(schedule) + (on ? ", summed per step" : ", option off") +
+                     (checkpoint == Checkpoint::Never ? "" : ", checkpointed"));
+        torch::Tensor loss;
+        {
+          AutocastGuard bf16(type, torch::kBFloat16);
+          loss = pipe->train_step(x, target, loss_fn, schedule_options(schedule, 4, 3));
+        }
+        expect_close(loss, loss_ref, tol, "loss");
+        expect_same_grads(model.grads(), ref, tol);
+        model.zero();
+      }
+    }
+  }
+  // Both ways agree within bf16's rounding.
+  model.reference_step(x, target, 4, type, true);
+  const auto summed = model.grads();
+  model.zero();
+  model.reference_step(x, target, 4, type, false);
+  expect_rel_grads(summed, model.grads(), 1e-2);
+  model.zero();
+
+  ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads));
+  for (auto s : model.stages) pipe->append(s, device);
+  AutocastGuard bf16(type, torch::kBFloat16);
+  // A step that fails at micro-batch 2 adds none of its gradients.
+  int calls = 0;
+  auto failing = [&](const torch::Tensor& o, const torch::Tensor& t) {
+    TORCH_CHECK(++calls != 3, "loss refused");
+    return torch::mse_loss(o, t);
+  };
+  EXPECT_THROW(pipe->train_step(x, target, failing, TrainStepOptions(4)), c10::Error);
+  for (const auto& kv : model.grads()) {
+    EXPECT_FALSE(kv.second.defined() && kv.second.abs().sum().item<double>() != 0) << kv.first;
+  }
+  model.zero();
+  // Then two steps without zeroing: twice one step's gradients.
+  pipe->train_step(x, target, loss_fn, TrainStepOptions(4));
+  const auto once = model.grads();
+  pipe->train_step(x, target, loss_fn, TrainStepOptions(4));
+  for (const auto& kv : model.grads()) expect_close(kv.second, once.at(kv.first) * 2, tol, kv.first);
+  model.zero();
+}
+
+}  // namespace
+
+TEST_P(AutocastCall, MpipeLinearSumsCastGradientsPerStep) { check_cast_grads("cpu", GetParam(), 0); }
+
 INSTANTIATE_TEST_SUITE_P(Cpu, AutocastCall, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Threads" : "Inline";
@@ -576,6 +716,11 @@ TEST(AutocastCuda, AGraphCastsEachWeightOnceAndReplaysSeeNewWeights_CUDA) {
     for (auto& p : pipe->parameters()) p.mul_(0.9);  // an optimizer step: replays cast anew
   }
   EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+}
+
+TEST(AutocastCuda, MpipeLinearSumsCastGradientsPerStep_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  for (bool threads : {true, false}) check_cast_grads("cuda:0", threads, 1e-6);
 }
 
 TEST(AutocastCuda, EveryCallKindInBFloat16EagerAndGraphed_CUDA) {

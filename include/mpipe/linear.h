@@ -17,6 +17,9 @@
 // state dicts as torch::nn::Linear. Without autocast, 2-D input computes the
 // same addmm; input of other ranks goes through aten::linear's fused bias
 // instead of a separate addition (rounding may differ in the last bit).
+// In a pipeline's train_step under autocast it also sums its weight's
+// gradients over the micro-batches before converting them (Note [Cast
+// gradients per step] in src/cast_grads.cpp).
 
 #include <ATen/ATen.h>
 #include <torch/nn/cloneable.h>
@@ -62,7 +65,17 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
            << options.bias() << ")";
   }
 
-  torch::Tensor forward(const torch::Tensor& input) { return at::linear(input, weight, bias); }
+  torch::Tensor forward(const torch::Tensor& input) {
+    const at::Tensor step = step_weight();
+    return at::linear(input, step.defined() ? step : weight, bias);
+  }
+
+  /// Inside ModelPipeline::train_step under autocast: the low-precision copy
+  /// of `weight` that the step's micro-batches share, so that their gradients
+  /// are summed in that dtype and added to weight.grad once per step (Note
+  /// [Cast gradients per step], ModelPipelineOptions::accumulate_cast_grads).
+  /// Elsewhere undefined: forward uses `weight`.
+  at::Tensor step_weight() const;
 
   torch::nn::LinearOptions options;
   torch::Tensor weight;

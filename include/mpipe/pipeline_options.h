@@ -38,6 +38,17 @@ struct ModelPipelineOptions {
   /// use one stream per stage. 1 (the default): one stream per stage. See
   /// Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 1;
+  /// train_step under autocast: each mpipe::Linear weight (float32) is cast
+  /// once per step and stage, and the micro-batches' gradients of that cast
+  /// are summed in the autocast dtype, then added to the weight's .grad once,
+  /// as one backward over the whole batch would (the engine sums a shared
+  /// tensor's gradients in its dtype). This saves a float32 conversion and
+  /// addition per weight and micro-batch (a third of a bf16 wide-MLP step).
+  /// Off: each micro-batch's gradient is converted and added on its own, as
+  /// in a plain gradient-accumulation loop (more precise sums, slower). Hooks
+  /// on such a weight do not see the per-step sum; graphed steps always run
+  /// as if off. See Note [Cast gradients per step].
+  TORCH_ARG(bool, accumulate_cast_grads) = true;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
   /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].
