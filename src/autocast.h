@@ -25,6 +25,9 @@
 // the graph's memory outlives the capture in the cache (the reason
 // torch.cuda.make_graphed_callables asks for the cache off, where the autocast
 // scope may outlast the capture). The state is part of the graph's key.
+// A checkpointed stage's first forward runs without grad and with the cache
+// off: a cast cached there has no autograd history, and the recompute would
+// take it from the cache and send no gradient to the weight.
 
 #include <c10/core/ScalarType.h>
 
