@@ -43,7 +43,7 @@ struct ModelPipelineOptions {
   /// are summed in the autocast dtype, then added to the weight's .grad once,
   /// as one backward over the whole batch would (the engine sums a shared
   /// tensor's gradients in its dtype). This saves a float32 conversion and
-  /// addition per weight and micro-batch (a third of a bf16 wide-MLP step).
+  /// addition per weight and micro-batch (a quarter of a bf16 wide-MLP step).
   /// Off: each micro-batch's gradient is converted and added on its own, as
   /// in a plain gradient-accumulation loop (more precise sums, slower). Hooks
   /// on such a weight do not see the per-step sum; graphed steps always run
