@@ -1,10 +1,14 @@
 #pragma once
 
-// mpipe's spiking-neural-network toolkit: neurons, surrogate gradients,
+// mpipe's spiking-neural-network toolkit: neurons (single- and multi-step),
+// multi-step containers, the spiking conv block, surrogate gradients,
 // encoders and rate decoding. State handling: mpipe/state.h.
 
+#include <mpipe/snn/containers.h>
+#include <mpipe/snn/conv_block.h>
 #include <mpipe/snn/encoding.h>
 #include <mpipe/snn/neuron.h>
 #include <mpipe/snn/poisson_encoder.h>
+#include <mpipe/snn/step_mode.h>
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>

@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -154,6 +155,110 @@ std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor&
   return {gx, gvp};
 }
 
+// Note [Multi-step neurons]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A multi-step call (StepMode::Multi, SpikingJelly's step_mode 'm') runs the
+// T steps of a [T, N, ...] input as one autograd node: forward walks t = 0..T-1
+// per element with v in a register, backward walks t = T-1..0 carrying v's
+// gradient, each one kernel on CUDA and one parallel loop on the CPU. The
+// carried v (forward) and its gradient (backward) are rounded to the storage
+// type after every step, as a single step stores v_next and autograd hands
+// its gradient on, so the values and the BPTT gradients equal those of T
+// single fused steps bit for bit (tests compare with tolerance 0). h, the
+// charged potential of every step, is saved for backward as [T, N, ...]:
+// the same memory as T single steps.
+
+/// (spikes [T, ...], v_last, h [T, ...]) from x [T, ...] and v0.
+std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const at::Tensor& v_in,
+                                      const NeuronSpec& spec) {
+  const at::Tensor x = x_in.contiguous(), v0 = v_in.contiguous();
+  at::Tensor spike = at::empty_like(x), h = at::empty_like(x), v_last = at::empty_like(v0);
+  const int64_t T = x.size(0), n = v0.numel();
+#ifdef MPIPE_CUDA_KERNELS
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const char* err = launch_neuron_forward_steps(
+        kernel_dtype(x.scalar_type()), x.data_ptr(), v0.data_ptr(), spike.data_ptr(),
+        v_last.data_ptr(), h.data_ptr(), T, n, spec, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == nullptr, "mpipe::snn: fused multi-step neuron forward kernel: ", err);
+    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    return {spike, v_last, h};
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpipe_neuron_fwd_steps", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const NeuronConsts<A> c(spec);
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    const scalar_t* pv = v0.data_ptr<scalar_t>();
+    scalar_t* ps = spike.data_ptr<scalar_t>();
+    scalar_t* pl = v_last.data_ptr<scalar_t>();
+    scalar_t* ph = h.data_ptr<scalar_t>();
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(T, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t v = pv[i];
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t k = t * n + i;
+          ph[k] = static_cast<scalar_t>(neuron_charge<A>(c, static_cast<A>(px[k]), static_cast<A>(v)));
+          A s, vn;
+          neuron_fire<A>(c, static_cast<A>(ph[k]), s, vn);
+          ps[k] = static_cast<scalar_t>(s);
+          v = static_cast<scalar_t>(vn);
+        }
+        pl[i] = v;
+      }
+    });
+  });
+  return {spike, v_last, h};
+}
+
+/// (grad_x [T, ...], grad_v0); an undefined output gradient counts as zero.
+std::vector<at::Tensor> steps_backward(const at::Tensor& gs_in, const at::Tensor& gv_in,
+                                       const at::Tensor& h, const NeuronSpec& spec) {
+  const at::Tensor gs = gs_in.defined() ? gs_in.contiguous() : gs_in;
+  const at::Tensor gv = gv_in.defined() ? gv_in.contiguous() : gv_in;
+  const int64_t T = h.size(0);
+  at::Tensor gx = at::empty_like(h), gv0 = at::empty(h.sizes().slice(1), h.options());
+  const int64_t n = gv0.numel();
+#ifdef MPIPE_CUDA_KERNELS
+  if (h.is_cuda()) {
+    c10::cuda::CUDAGuard guard(h.device());
+    const char* err = launch_neuron_backward_steps(
+        kernel_dtype(h.scalar_type()), gs.defined() ? gs.data_ptr() : nullptr,
+        gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(), gx.data_ptr(), gv0.data_ptr(), T,
+        n, spec, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == nullptr, "mpipe::snn: fused multi-step neuron backward kernel: ", err);
+    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    return {gx, gv0};
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "mpipe_neuron_bwd_steps", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const NeuronConsts<A> c(spec);
+    const scalar_t* pgs = gs.defined() ? gs.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pgv = gv.defined() ? gv.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* ph = h.data_ptr<scalar_t>();
+    scalar_t* pgx = gx.data_ptr<scalar_t>();
+    scalar_t* pg0 = gv0.data_ptr<scalar_t>();
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(T, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t g = pgv ? pgv[i] : scalar_t(0);
+        for (int64_t t = T - 1; t >= 0; --t) {
+          const int64_t k = t * n + i;
+          A a, b;
+          neuron_backward<A>(c, pgs ? static_cast<A>(pgs[k]) : A(0), static_cast<A>(g),
+                             static_cast<A>(ph[k]), a, b);
+          pgx[k] = static_cast<scalar_t>(a);
+          g = static_cast<scalar_t>(b);
+        }
+        pg0[i] = g;
+      }
+    });
+  });
+  return {gx, gv0};
+}
+
 std::vector<double> pack(const NeuronSpec& s) {
   return {static_cast<double>(s.charge), s.tau, s.v_threshold, s.v_reset,
           s.hard_reset ? 1.0 : 0.0, s.detach_reset ? 1.0 : 0.0,
@@ -192,11 +297,36 @@ struct FusedNeuronStep : torch::autograd::Function<FusedNeuronStep> {
   }
 };
 
+struct FusedNeuronSteps : torch::autograd::Function<FusedNeuronSteps> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& v,
+                                                const NeuronSpec& spec) {
+    std::vector<at::Tensor> out = steps_forward(x, v, spec);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({out[2]});
+    ctx->saved_data["spec"] = pack(spec);
+    return {out[0], out[1]};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor h = ctx->get_saved_variables()[0];
+    const NeuronSpec spec = unpack(ctx->saved_data["spec"].toDoubleVector());
+    std::vector<at::Tensor> g = steps_backward(grads[0], grads[1], h, spec);
+    return {g[0], g[1], at::Tensor()};
+  }
+};
+
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x, const at::Tensor& v,
                                                     const NeuronSpec& spec) {
   torch::autograd::variable_list out = FusedNeuronStep::apply(x, v, spec);
+  return {out[0], out[1]};
+}
+
+std::pair<at::Tensor, at::Tensor> fused_neuron_steps(const at::Tensor& x, const at::Tensor& v,
+                                                     const NeuronSpec& spec) {
+  torch::autograd::variable_list out = FusedNeuronSteps::apply(x, v, spec);
   return {out[0], out[1]};
 }
 

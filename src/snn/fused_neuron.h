@@ -21,6 +21,11 @@ bool fused_neuron_supported(const at::Tensor& x);
 std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x, const at::Tensor& v,
                                                     const NeuronSpec& spec);
 
+/// T steps of x [T, ...] from v (x's shape without dim 0), differentiable
+/// (Note [Multi-step neurons]): returns (spikes [T, ...], v after step T-1).
+std::pair<at::Tensor, at::Tensor> fused_neuron_steps(const at::Tensor& x, const at::Tensor& v,
+                                                     const NeuronSpec& spec);
+
 }  // namespace detail
 }  // namespace snn
 }  // namespace mpipe

@@ -25,6 +25,19 @@ const char* launch_neuron_backward(int dtype, const void* grad_spike, const void
                                    const void* h, void* grad_x, void* grad_v_prev, int64_t n,
                                    const NeuronSpec& spec, void* stream);
 
+/// T steps in one kernel (Note [Multi-step neurons]): x, spike and h are
+/// [T, n] (time-major), v0 and v_last are [n].
+const char* launch_neuron_forward_steps(int dtype, const void* x, const void* v0, void* spike,
+                                        void* v_last, void* h, int64_t T, int64_t n,
+                                        const NeuronSpec& spec, void* stream);
+
+/// The T steps' backward, t = T-1 down to 0: grad_x [T, n] and grad_v0 [n]
+/// from grad_spike [T, n] and grad_v_last [n] (either may be null) and h.
+const char* launch_neuron_backward_steps(int dtype, const void* grad_spike,
+                                         const void* grad_v_last, const void* h, void* grad_x,
+                                         void* grad_v0, int64_t T, int64_t n,
+                                         const NeuronSpec& spec, void* stream);
+
 }  // namespace detail
 }  // namespace snn
 }  // namespace mpipe

@@ -1,6 +1,6 @@
 #pragma once
 
-// Spiking neurons in SpikingJelly's conventions. Each call is one time step:
+// Spiking neurons in SpikingJelly's conventions. Each step:
 //   charge  IF:  v = v + x
 //           LIF: v = v + (x - (v - v_reset)) / tau    (decay_input, default)
 //                v = v - (v - v_reset) / tau + x       (otherwise)
@@ -13,11 +13,19 @@
 // for half and bfloat16 input, unless float_membrane(false)), and is cleared
 // by reset_state() or mpipe::reset_states(model).
 //
+// Step modes (options.step_mode): StepMode::Single (default) takes one step
+// per call, x [N, ...]; StepMode::Multi takes a sequence x [T, N, ...] per
+// call and returns its spikes [T, N, ...], with v carried in from the last
+// call and out to the next. A multi-step call runs the T steps as one fused
+// kernel each way (Note [Multi-step neurons]); its values and gradients equal
+// T single steps exactly. single_step() and multi_step() ignore the mode.
+//
 // By default (options.fused) a step runs as one fused kernel forward and one
 // backward (on the CPU, and on CUDA when mpipe was built with its kernels);
 // fused(false) runs the same step as separate ATen ops. Both give the same
 // values and gradients (to rounding).
 
+#include <mpipe/snn/step_mode.h>
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>
 
@@ -32,6 +40,10 @@
 namespace mpipe {
 namespace snn {
 
+namespace detail {
+struct NeuronSpec;  // src/snn/neuron_math.h
+}  // namespace detail
+
 struct IFNodeOptions {
   TORCH_ARG(double, v_threshold) = 1.0;
   /// A number for hard reset; std::nullopt for soft reset.
@@ -45,6 +57,8 @@ struct IFNodeOptions {
   /// input's dtype): a membrane summed over many steps in 8 bits of mantissa
   /// drifts. Costs two casts per step; false keeps everything in the input's dtype.
   TORCH_ARG(bool, float_membrane) = true;
+  /// Single: forward takes one step [N, ...]; Multi: a sequence [T, N, ...].
+  TORCH_ARG(StepMode, step_mode) = StepMode::Single;
 };
 
 struct LIFNodeOptions {
@@ -62,13 +76,23 @@ struct LIFNodeOptions {
   /// input's dtype): a membrane summed over many steps in 8 bits of mantissa
   /// drifts. Costs two casts per step; false keeps everything in the input's dtype.
   TORCH_ARG(bool, float_membrane) = true;
+  /// Single: forward takes one step [N, ...]; Multi: a sequence [T, N, ...].
+  TORCH_ARG(StepMode, step_mode) = StepMode::Single;
 };
 
 /// What IF and LIF share: state per micro-batch, fire, reset.
 class NeuronBase : public torch::nn::Module, public Stateful {
  public:
-  /// One time step: charge with `x`, fire, reset; returns the spikes.
+  /// single_step(x) or multi_step(x), as step_mode() says.
   at::Tensor forward(const at::Tensor& x);
+  /// One time step: charge with `x` [N, ...], fire, reset; returns the spikes.
+  at::Tensor single_step(const at::Tensor& x);
+  /// T time steps of `x_seq` [T, N, ...] (T may be 0); returns the spikes
+  /// [T, N, ...]. Equal, values and gradients, to T single_step calls.
+  at::Tensor multi_step(const at::Tensor& x_seq);
+  StepMode step_mode() const noexcept { return step_mode_; }
+  /// Changes how forward takes time (the state is kept).
+  void set_step_mode(StepMode mode) noexcept { step_mode_ = mode; }
   void reset_state() override { v_.clear(); }
   bool holds_state() const override { return !v_.slots().empty(); }
   /// Snapshots for checkpointing and failed calls (Note [State snapshots]).
@@ -83,10 +107,18 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   enum class ChargeKind { IF, LIFDecayInput, LIF };
   NeuronBase(const char* name, double v_threshold, std::optional<double> v_reset,
              bool detach_reset, Surrogate surrogate, bool fused, bool float_membrane,
-             ChargeKind charge_kind, double tau);
+             StepMode step_mode, ChargeKind charge_kind, double tau);
   virtual at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const = 0;
   /// One step in x's dtype.
   at::Tensor step(const at::Tensor& x);
+  /// T steps of x [T, ...] in x's dtype.
+  at::Tensor steps(const at::Tensor& x);
+  /// The membrane potential of the current micro-batch, created or checked
+  /// against `shape` and moved to x's device and dtype.
+  at::Tensor& membrane(const at::Tensor& x, c10::IntArrayRef shape, const char* what);
+  void fill_spec(detail::NeuronSpec& spec) const;
+  /// One step of the ATen path, updating v.
+  at::Tensor aten_step(at::Tensor& v, const at::Tensor& x) const;
   void print_common(std::ostream& stream) const;
 
   const char* name_;
@@ -96,6 +128,7 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   Surrogate surrogate_;
   bool fused_;
   bool float_membrane_;
+  StepMode step_mode_;
   ChargeKind charge_kind_;
   double tau_;
 
