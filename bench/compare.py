@@ -5,7 +5,8 @@ Python class's (shared/seed/bench_seed.py --json), measured in the same device r
     python3 bench/compare.py MPIPE_JSON SEED_JSON [SEED_SCALING_JSON] [--transformer=SEED_TRANSFORMER_JSON]
 
 Prints Markdown: per workload, milliseconds (medians) of mpipe, the reference
-class, plain LibTorch (C++, the stages one after another) and the CUDA-graph
+class, plain LibTorch (C++, the stages one after another; for multi-step rows
+the same multi-step stages called once on all T steps) and the CUDA-graph
 floors, with the ratios the performance targets are stated in; then the memory
 table of a training step under each schedule; then the bf16 rows (mpipe against
 plain LibTorch, TFLOP/s and their share of 790) and the transformer beside the
@@ -40,6 +41,18 @@ SNN_VARIANTS = {
               (", constant_train_step", "mpipe_constant_train_step_ms"),
               (", constant_train_step + cuda_graphs", "mpipe_graph_constant_train_ms")],
 }
+# Multi-step stages fed time chunks of k steps (T: one chunk); the plain row is
+# the same multi-step stages called once on all T steps.
+CHUNKS = (1, 2, 4, 8, 32, 64)
+for _k in CHUNKS:
+    SNN_VARIANTS["forward"].append((f", multi-step, chunk {_k}", f"mpipe_chunk{_k}_constant_fwd_ms"))
+    SNN_VARIANTS["train"].append((f", multi-step, chunk {_k}", f"mpipe_chunk{_k}_constant_train_step_ms"))
+for _k in (4, 32, 64):
+    SNN_VARIANTS["forward"].append((f", multi-step, chunk {_k} + cuda_graphs",
+                                    f"mpipe_graph_chunk{_k}_constant_fwd_ms"))
+    SNN_VARIANTS["train"].append((f", multi-step, chunk {_k} + cuda_graphs",
+                                  f"mpipe_graph_chunk{_k}_constant_train_ms"))
+SNN_PLAIN_MULTISTEP = {"forward": "plain_multistep_fwd_ms", "train": "plain_multistep_train_ms"}
 
 
 def rows(m, s):
@@ -59,7 +72,9 @@ def rows(m, s):
                 floor = sw.get("floor_graph_microbatched_fwd_ms") if kind == "forward" else None
             for label, key in (SNN_VARIANTS if snn else MLP_VARIANTS)[kind]:
                 if key in mw:
-                    yield name, kind + label, mw[key], ref, plain, floor
+                    # Multi-step rows beside plain LibTorch's multi-step call.
+                    p = mw.get(SNN_PLAIN_MULTISTEP[kind], plain) if "multi-step" in label else plain
+                    yield name, kind + label, mw[key], ref, p, floor
 
 
 def failures(m, s):

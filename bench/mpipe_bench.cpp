@@ -232,19 +232,26 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
   const auto devices = placement(device, 4);
   // The same Linear layers with fused LIF neurons (the default) and with the
   // ATen path (Note [Fused neurons]).
-  std::vector<nn::Sequential> stages, aten_stages;
+  // And as multi-step stages (SeqToANN(Linear), multi-step LIF), which the
+  // pipeline feeds time chunks (Note [Time chunks]).
+  std::vector<nn::Sequential> stages, aten_stages, multi_stages;
   const auto options = mpipe::ModelPipelineOptions().worker_threads(!inline_host);
-  mpipe::ModelPipeline pipe(options), aten_pipe(options);
+  mpipe::ModelPipeline pipe(options), aten_pipe(options), multi_pipe(options);
+  const auto multi = mpipe::snn::LIFNodeOptions().step_mode(mpipe::snn::StepMode::Multi);
   for (int s = 0; s < 4; ++s) {
     // LIF: tau 2, decay_input, v_threshold 1, hard reset to 0, Sigmoid(alpha 4).
     nn::Linear fc(width, width);
     nn::Sequential stage(fc, mpipe::snn::LIFNode());
     nn::Sequential aten_stage(fc, mpipe::snn::LIFNode(mpipe::snn::LIFNodeOptions().fused(false)));
+    nn::Sequential multi_stage(mpipe::snn::SeqToANN(fc), mpipe::snn::LIFNode(multi));
     pipe->append(stage, devices[static_cast<size_t>(s)]);
     aten_pipe->append(aten_stage, devices[static_cast<size_t>(s)]);
+    multi_pipe->append(multi_stage, devices[static_cast<size_t>(s)]);
     stages.push_back(stage);
     aten_stages.push_back(aten_stage);
+    multi_stages.push_back(multi_stage);
   }
+  const std::vector<int64_t> chunks{1, 2, 4, 8, T};
   auto x = torch::rand({batch, width}, torch::TensorOptions(devices.front())) * 2;
   auto loop = [&] {
     mpipe::reset_states(*pipe);
@@ -271,6 +278,53 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
       guarded(r, "mpipe_graph_constant_fwd_ms",
               [&] { return timer.median_ms([&] { piped(graphed); }); });
+    }
+    // Multi-step stages: a plain call on all T steps, and the pipeline's chunks.
+    r["plain_multistep_fwd_ms"] = timer.median_ms([&] {
+      mpipe::reset_states(*multi_pipe);
+      run_plain(multi_stages, devices, x.unsqueeze(0).expand({T, batch, width})).sum(0);
+    });
+    for (int64_t k : chunks) {
+      r["mpipe_chunk" + std::to_string(k) + "_constant_fwd_ms"] = timer.median_ms([&] {
+        mpipe::reset_states(*multi_pipe);
+        multi_pipe->constant_forward(x, T, true, k);
+      });
+    }
+    if (timer.cuda) {
+      mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+      for (size_t s = 0; s < multi_stages.size(); ++s) graphed->append(multi_stages[s], devices[s]);
+      for (int64_t k : {int64_t{4}, T}) {
+        guarded(r, "mpipe_graph_chunk" + std::to_string(k) + "_constant_fwd_ms", [&] {
+          return timer.median_ms([&] { graphed->constant_forward(x, T, true, k); });
+        });
+      }
+    }
+  }
+  mpipe::reset_states(*multi_pipe);
+  r["plain_multistep_train_ms"] = timer.median_ms([&] {
+    multi_pipe->zero_grad();
+    run_plain(multi_stages, devices, x.unsqueeze(0).expand({T, batch, width}))
+        .sum(0)
+        .mean()
+        .backward();
+    mpipe::reset_states(*multi_pipe);
+  });
+  for (int64_t k : chunks) {
+    r["mpipe_chunk" + std::to_string(k) + "_constant_train_step_ms"] = timer.median_ms([&] {
+      multi_pipe->zero_grad();
+      multi_pipe->constant_train_step(x, T, torch::Tensor(), mean, k);
+    });
+  }
+  if (timer.cuda) {
+    mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
+    for (size_t s = 0; s < multi_stages.size(); ++s) graphed->append(multi_stages[s], devices[s]);
+    for (int64_t k : {int64_t{4}, T}) {
+      guarded(r, "mpipe_graph_chunk" + std::to_string(k) + "_constant_train_ms", [&] {
+        return timer.median_ms([&] {
+          graphed->zero_grad();
+          graphed->constant_train_step(x, T, torch::Tensor(), mean, k);
+        });
+      });
     }
   }
   r["plain_loop_train_ms"] = timer.median_ms([&] {

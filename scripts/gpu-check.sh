@@ -119,6 +119,7 @@ if [[ " $steps " == *" snn "* ]]; then
   step snn_fashion_mnist bash -o pipefail -c "timeout ${MPIPE_SNN_TIMEOUT:-540} \
     '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' --data .devdata/fashion-mnist \
     --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a '$log'"
+  [ -f /tmp/snn_out/accuracy.svg ] && cp /tmp/snn_out/accuracy.svg "$out/snn_accuracy.svg"
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-check: failed steps: ${failed[*]}" | tee -a "$log"

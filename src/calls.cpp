@@ -40,10 +40,11 @@ at::Tensor single(const char* method, Tensors out) {
 }
 
 GraphKey key_of(const char* method, int64_t items, bool reduce, const at::Tensor& x,
-                bool training) {
+                bool training, int64_t chunk = 0) {
   GraphKey key;
   key.method = method;
   key.items = items;
+  key.chunk = chunk;
   key.reduce = reduce;
   key.input_sizes = x.sizes().vec();
   key.input_dtype = x.scalar_type();
@@ -124,23 +125,59 @@ Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int6
   });
 }
 
+// Note [Time chunks]
+// ~~~~~~~~~~~~~~~~~~
+// With multi-step stages (ModelPipelineOptions::step_mode(Multi), or a
+// time_chunk given to the call) the items that flow through the stages are
+// chunks of k consecutive time steps, time-major [k, N, ...], not single
+// steps: each stage call runs k steps at once (stateless layers on [k*N, ...]
+// through SeqToANN, neurons as one fused multi-step kernel), so a stage makes
+// T/k calls instead of T, while chunks still overlap across stages as steps
+// do. k = 1 pipelines every step (most overlap, most calls); k >= T is one
+// chunk (no overlap over time). The last chunk may be shorter. State carries
+// from chunk to chunk as it does from step to step, and the outputs are cut
+// back into steps (and summed step by step when reducing), so results do not
+// depend on k, except where a layer's result depends on how many rows it
+// sees at once: batch statistics (SpikingConvBlock normalises step by step
+// in training for this reason) and the summation order of weight gradients.
+
 Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors& in, int64_t T,
-                                               bool reduce, bool threaded,
+                                               bool reduce, int64_t chunk, bool threaded,
                                                detail::BackwardPositions* positions,
-                                               detail::RemoteCall* remote) {
+                                               detail::RemoteCall* remote,
+                                               const std::vector<bool>& batched) {
   const int64_t n_stages = executor.n_total();
+  const detail::TimeChunks chunks{T, chunk};
   CallSpec spec;
   spec.method = method;
-  spec.item_name = "time step";
-  spec.n_items = T;
+  spec.item_name = chunks.multi() ? "time chunk" : "time step";
+  spec.n_items = chunks.count();
+  spec.time_chunk = chunk;
+  spec.time_steps = T;
   spec.remote = remote;
-  spec.programs = schedules::forward_only(T, n_stages);
-  spec.same_input = true;
-  spec.source = [&](int64_t) { return in; };
+  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  std::vector<Input> inputs;
+  for (size_t k = 0; k < in.size(); ++k) {
+    inputs.push_back(k < batched.size() && !batched[k] ? unbatched(in[k]) : Input(in[k]));
+  }
+  if (chunks.multi()) {
+    // Every chunk is the same view unless the last is shorter.
+    spec.same_input = T % chunk == 0 || spec.n_items == 1;
+    spec.source = [&](int64_t i) { return detail::repeated_chunk(inputs, chunks, i); };
+  } else {
+    spec.same_input = true;
+    spec.source = [&](int64_t) { return in; };
+  }
   spec.caller_tensors = in;
   spec.backward_positions = positions;
   detail::TimeStepOutputs outs(T, reduce);
-  spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
+  spec.sink = [&](int64_t i, Tensors o) {
+    if (chunks.multi()) {
+      outs.add_chunk(method, n_stages - 1, chunks, i, o);
+    } else {
+      outs.add(i, std::move(o));
+    }
+  };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
   if (reduce) return for_caller(outs.steps()[0]);
@@ -148,7 +185,10 @@ Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors
 }
 
 Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs, int64_t T,
-                                                   bool reduce, bool graphable_call) {
+                                                   bool reduce, int64_t chunk,
+                                                   bool graphable_call) {
+  std::vector<bool> batched;
+  for (const auto& in : inputs) batched.push_back(in.batched);
   if (distributed()) {
     return guarded("constant_forward", [&] {
       return across("constant_forward", [&](detail::RemoteCall& call) {
@@ -159,11 +199,13 @@ Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inp
           detail::CallInfo c;
           c.n_items = T;
           c.reduce = reduce;
+          c.chunk = chunk;
           return c;
         });
         return run_constant("constant_forward",
                             call.first() ? detail::tensors_of(inputs) : Tensors{}, info.n_items,
-                            info.reduce != 0, self.options.worker_threads(), nullptr, &call);
+                            info.reduce != 0, info.chunk, self.options.worker_threads(), nullptr,
+                            &call, batched);
       });
     });
   }
@@ -174,31 +216,43 @@ Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inp
   return guarded("constant_forward", [&]() -> Tensors {
     if (graphable_call && graphable(in[0])) {
       at::Tensor out = graphed_or_eager(
-          key_of("constant_forward", T, reduce, in[0], self.is_training()), in[0],
+          key_of("constant_forward", T, reduce, in[0], self.is_training(), chunk), in[0],
           [&](const at::Tensor& x, bool threaded) {
             return single("constant_forward",
-                          run_constant("constant_forward", {x}, T, reduce, threaded));
+                          run_constant("constant_forward", {x}, T, reduce, chunk, threaded));
           });
       if (out.defined()) return {out};
     }
-    return run_constant("constant_forward", in, T, reduce, self.options.worker_threads());
+    return run_constant("constant_forward", in, T, reduce, chunk, self.options.worker_threads(),
+                        nullptr, nullptr, batched);
   });
 }
 
 Tensors ModelPipelineImpl::State::sequence_items(const std::vector<Input>& in, int64_t T,
-                                                 bool reduce, bool threaded,
+                                                 bool reduce, int64_t chunk, bool threaded,
                                                  detail::RemoteCall* remote) {
   const int64_t n_stages = executor.n_total();
+  const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
   CallSpec spec;
   spec.method = "sequence_forward";
-  spec.item_name = "time step";
-  spec.n_items = T;
+  spec.item_name = chunks.multi() ? "time chunk" : "time step";
+  spec.n_items = chunks.count();
+  spec.time_chunk = chunk;
+  spec.time_steps = T;
   spec.remote = remote;
-  spec.programs = schedules::forward_only(T, n_stages);
-  spec.source = [&](int64_t t) { return detail::time_step(in, t); };
+  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  spec.source = [&](int64_t i) {
+    return chunks.multi() ? detail::sequence_chunk(in, chunks, i) : detail::time_step(in, i);
+  };
   spec.caller_tensors = detail::tensors_of(in);
   detail::TimeStepOutputs outs(T, reduce);
-  spec.sink = [&](int64_t t, Tensors o) { outs.add(t, std::move(o)); };
+  spec.sink = [&](int64_t i, Tensors o) {
+    if (chunks.multi()) {
+      outs.add_chunk("sequence_forward", n_stages - 1, chunks, i, o);
+    } else {
+      outs.add(i, std::move(o));
+    }
+  };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
   if (reduce) return for_caller(outs.steps()[0]);
@@ -220,7 +274,7 @@ int64_t sequence_length(const std::vector<Input>& inputs) {
 }  // namespace
 
 Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs, bool reduce,
-                                                   bool graphable_call) {
+                                                   int64_t chunk, bool graphable_call) {
   if (distributed()) {
     return guarded("sequence_forward", [&] {
       return across("sequence_forward", [&](detail::RemoteCall& call) {
@@ -228,21 +282,22 @@ Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inp
           detail::CallInfo c;
           c.n_items = sequence_length(inputs);
           c.reduce = reduce;
+          c.chunk = chunk;
           return c;
         });
         return sequence_items(call.first() ? inputs : std::vector<Input>{}, info.n_items,
-                              info.reduce != 0, self.options.worker_threads(), &call);
+                              info.reduce != 0, info.chunk, self.options.worker_threads(), &call);
       });
     });
   }
   const int64_t T = sequence_length(inputs);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
-    return sequence_items(in, T, reduce, threaded, nullptr);
+    return sequence_items(in, T, reduce, chunk, threaded, nullptr);
   };
   return guarded("sequence_forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {
       at::Tensor out = graphed_or_eager(
-          key_of("sequence_forward", 0, reduce, inputs[0].tensor, self.is_training()),
+          key_of("sequence_forward", 0, reduce, inputs[0].tensor, self.is_training(), chunk),
           inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
             return single("sequence_forward", eager({x}, threaded));
           });

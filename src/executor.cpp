@@ -514,7 +514,13 @@ std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* 
   try {
     TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", j, " (on ",
                 place(j).device, rank_, ") failed at ", phase, " ", i, " of ",
-                call.n_items, ": ", what);
+                call.n_items,
+                call.time_chunk > 0
+                    ? c10::str(" (time steps ", i * call.time_chunk, " to ",
+                               std::min((i + 1) * call.time_chunk, call.time_steps) - 1, " of ",
+                               call.time_steps, ")")
+                    : std::string(),
+                ": ", what);
   } catch (...) {
     return std::current_exception();
   }

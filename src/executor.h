@@ -61,6 +61,10 @@ struct CallSpec {
   const char* method = "";     // for messages: "forward", "train_step", ...
   const char* item_name = "";  // "micro-batch", "time step"
   int64_t n_items = 0;
+  /// Time chunks (Note [Time chunks]): steps per item (0: single steps) and
+  /// the call's T, for messages.
+  int64_t time_chunk = 0;
+  int64_t time_steps = 0;
   /// One per worker ("rank"); each operation names its stage. Forwards only
   /// unless `training`.
   std::vector<schedules::Program> programs;

@@ -26,6 +26,7 @@ struct GraphKey {
   std::string method;
   int64_t items = 0;       // split_size (forward, train_step) or T
   bool reduce = false;     // constant_forward, sequence_forward
+  int64_t chunk = 0;       // their time chunk (0: single steps)
   int schedule = -1;       // train_step: Schedule
   int reduction = -1;      // train_step: LossReduction
   std::vector<int64_t> input_sizes;
@@ -36,7 +37,7 @@ struct GraphKey {
   std::string autocast = AutocastState::current().str();  // the caller's autocast state
 
   std::string str() const {
-    return c10::str(method, "|", items, "|", reduce, "|", schedule, "|", reduction, "|",
+    return c10::str(method, "|", items, "|", reduce, "|", chunk, "|", schedule, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
                     training ? "|train" : "|eval", "|", autocast);

@@ -107,6 +107,21 @@ void check_runnable(const ModelPipelineImpl& p, const char* method) {
               ": the pipeline has no stages; add them with append(module, device)");
 }
 
+/// The call's time chunk: 0 for single-step stages, else k >= 1 (Note
+/// [Time chunks]).
+int64_t chunk_of(const ModelPipelineImpl& p, const char* method, std::optional<int64_t> arg) {
+  if (arg) {
+    TORCH_CHECK(*arg >= 1, "mpipe::ModelPipeline::", method, ": time_chunk (time steps per "
+                "stage call) must be >= 1, got ", *arg);
+    return *arg;
+  }
+  if (p.options.step_mode() == snn::StepMode::Single) return 0;
+  TORCH_CHECK(p.options.time_chunk() >= 1, "mpipe::ModelPipeline::", method,
+              ": ModelPipelineOptions::time_chunk (time steps per stage call) must be >= 1, got ",
+              p.options.time_chunk());
+  return p.options.time_chunk();
+}
+
 at::Tensor only(const char* method, Tensors out) {
   if (out.empty()) return {};  // a rank before the last, across processes
   TORCH_CHECK(out.size() == 1, "mpipe::ModelPipeline::", method, ": the last stage returned ",
@@ -127,25 +142,32 @@ Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs, int64_t spl
   return state_->forward(inputs, split_size, /*graphable_call=*/false);
 }
 
-at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, bool reduce) {
+at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T, bool reduce,
+                                               std::optional<int64_t> time_chunk) {
   check_runnable(*this, "constant_forward", x);
-  return only("constant_forward", state_->constant_forward({x}, T, reduce, true));
+  const int64_t chunk = chunk_of(*this, "constant_forward", time_chunk);
+  return only("constant_forward", state_->constant_forward({x}, T, reduce, chunk, true));
 }
 
 Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>& inputs, int64_t T,
-                                            bool reduce) {
+                                            bool reduce, std::optional<int64_t> time_chunk) {
   check_runnable(*this, "constant_forward");
-  return state_->constant_forward(inputs, T, reduce, false);
+  const int64_t chunk = chunk_of(*this, "constant_forward", time_chunk);
+  return state_->constant_forward(inputs, T, reduce, chunk, false);
 }
 
-at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce) {
+at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce,
+                                               std::optional<int64_t> time_chunk) {
   check_runnable(*this, "sequence_forward", x_seq, /*time_major=*/true);
-  return only("sequence_forward", state_->sequence_forward({x_seq}, reduce, true));
+  const int64_t chunk = chunk_of(*this, "sequence_forward", time_chunk);
+  return only("sequence_forward", state_->sequence_forward({x_seq}, reduce, chunk, true));
 }
 
-Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs, bool reduce) {
+Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs, bool reduce,
+                                            std::optional<int64_t> time_chunk) {
   check_runnable(*this, "sequence_forward");
-  return state_->sequence_forward(inputs, reduce, false);
+  const int64_t chunk = chunk_of(*this, "sequence_forward", time_chunk);
+  return state_->sequence_forward(inputs, reduce, chunk, false);
 }
 
 at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input, const at::Tensor& target,
@@ -164,16 +186,20 @@ at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& inputs,
 
 at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T,
                                                   const at::Tensor& target,
-                                                  const LossFunction& loss_fn) {
+                                                  const LossFunction& loss_fn,
+                                                  std::optional<int64_t> time_chunk) {
   check_runnable(*this, "constant_train_step", x);
-  return state_->constant_train_step({x}, T, target, loss_fn, true);
+  const int64_t chunk = chunk_of(*this, "constant_train_step", time_chunk);
+  return state_->constant_train_step({x}, T, target, loss_fn, chunk, true);
 }
 
 at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<Input>& inputs, int64_t T,
                                                   const at::Tensor& target,
-                                                  const LossFunction& loss_fn) {
+                                                  const LossFunction& loss_fn,
+                                                  std::optional<int64_t> time_chunk) {
   check_runnable(*this, "constant_train_step");
-  return state_->constant_train_step(inputs, T, target, loss_fn, false);
+  const int64_t chunk = chunk_of(*this, "constant_train_step", time_chunk);
+  return state_->constant_train_step(inputs, T, target, loss_fn, chunk, false);
 }
 
 void ModelPipelineImpl::clear_cuda_graphs() {

@@ -67,16 +67,21 @@ struct ModelPipelineImpl::State {
   template <typename F>
   auto guarded(const char* method, F&& body) -> decltype(body());
   Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
+  /// `chunk`: steps per stage call with multi-step stages, 0 for single
+  /// steps (Note [Time chunks]).
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
+                           int64_t chunk, bool graphable_call);
+  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,
                            bool graphable_call);
-  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, bool graphable_call);
   /// `spec` through the executor, its tasks recorded when options.record_timeline.
   void execute(detail::CallSpec& spec, bool threaded);
   /// constant_forward's call (also constant_train_step's forward): the
   /// outputs summed or concatenated time-major.
+  /// `batched`: which inputs are repeated per step of a chunk (all if empty).
   Tensors run_constant(const char* method, const Tensors& in, int64_t T, bool reduce,
-                       bool threaded, detail::BackwardPositions* positions = nullptr,
-                       detail::RemoteCall* remote = nullptr);
+                       int64_t chunk, bool threaded, detail::BackwardPositions* positions = nullptr,
+                       detail::RemoteCall* remote = nullptr,
+                       const std::vector<bool>& batched = {});
   /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
   bool graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
@@ -106,8 +111,8 @@ struct ModelPipelineImpl::State {
                          const std::function<detail::CallInfo()>& make);
   Tensors forward_items(const std::vector<Input>& in, int64_t rows, int64_t batch, bool threaded,
                         detail::RemoteCall* remote);
-  Tensors sequence_items(const std::vector<Input>& in, int64_t T, bool reduce, bool threaded,
-                         detail::RemoteCall* remote);
+  Tensors sequence_items(const std::vector<Input>& in, int64_t T, bool reduce, int64_t chunk,
+                         bool threaded, detail::RemoteCall* remote);
 
   // train_steps.cpp ---------------------------------------------------------
   at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
@@ -115,7 +120,7 @@ struct ModelPipelineImpl::State {
                         bool graphable_call);
   at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
                                  const at::Tensor& target, const LossFunction& loss_fn,
-                                 bool graphable_call);
+                                 int64_t chunk, bool graphable_call);
   bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
   /// One train_step through the executor: `inputs` are the caller's (their
   /// gradients are accumulated), `in` their detached copies, `y` the target
@@ -135,7 +140,7 @@ struct ModelPipelineImpl::State {
   /// processes] in train_steps.cpp).
   at::Tensor constant_step_across(detail::RemoteCall& call, const std::vector<Input>& inputs,
                                   int64_t T, const at::Tensor& target,
-                                  const LossFunction& loss_fn);
+                                  const LossFunction& loss_fn, int64_t chunk);
 };
 
 template <typename F>

@@ -61,11 +61,11 @@ int64_t method_code(const char* method) {
 }
 
 std::vector<int64_t> CallInfo::fields() const {
-  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction};
+  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, chunk};
 }
 
 CallInfo CallInfo::from(const std::vector<int64_t>& f) {
-  TORCH_CHECK(f.size() == 8, "a malformed call message (", f.size(), " fields)");
+  TORCH_CHECK(f.size() == 9, "a malformed call message (", f.size(), " fields)");
   CallInfo c;
   c.method = f[0];
   c.n_items = f[1];
@@ -75,6 +75,7 @@ CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   c.schedule = f[5];
   c.virtual_stages = f[6];
   c.reduction = f[7];
+  c.chunk = f[8];
   return c;
 }
 

@@ -34,6 +34,7 @@ struct CallInfo {
   int64_t schedule = 0;
   int64_t virtual_stages = 1;
   int64_t reduction = 0;
+  int64_t chunk = 0;   // time chunk (constant_forward, sequence_forward, constant_train_step)
 
   std::vector<int64_t> fields() const;
   static CallInfo from(const std::vector<int64_t>& fields);

@@ -67,6 +67,45 @@ inline Tensors time_step(const std::vector<Input>& inputs, int64_t t) {
   return out;
 }
 
+/// Time chunks (Note [Time chunks] in calls.cpp): T steps as items of k
+/// steps each (the last may be shorter); k = 0 means single-step items.
+struct TimeChunks {
+  int64_t T = 0;
+  int64_t k = 0;
+  bool multi() const { return k > 0; }
+  int64_t count() const { return multi() ? (T + k - 1) / k : T; }
+  int64_t first(int64_t i) const { return multi() ? i * k : i; }
+  int64_t size(int64_t i) const { return multi() ? std::min(k, T - i * k) : 1; }
+};
+
+/// Chunk i of constant_forward's inputs: each batched input repeated as
+/// [k_i, N, ...] (a broadcast view); unbatched inputs whole.
+inline Tensors repeated_chunk(const std::vector<Input>& inputs, const TimeChunks& chunks,
+                              int64_t i) {
+  Tensors out;
+  for (const auto& in : inputs) {
+    if (!in.batched) {
+      out.push_back(in.tensor);
+      continue;
+    }
+    std::vector<int64_t> shape{chunks.size(i)};
+    shape.insert(shape.end(), in.tensor.sizes().begin(), in.tensor.sizes().end());
+    out.push_back(in.tensor.unsqueeze(0).expand(shape));
+  }
+  return out;
+}
+
+/// Chunk i of sequence_forward's batched inputs ([T, N, ...] -> [k_i, N,
+/// ...]); unbatched whole.
+inline Tensors sequence_chunk(const std::vector<Input>& inputs, const TimeChunks& chunks,
+                              int64_t i) {
+  Tensors out;
+  for (const auto& in : inputs) {
+    out.push_back(in.batched ? in.tensor.narrow(0, chunks.first(i), chunks.size(i)) : in.tensor);
+  }
+  return out;
+}
+
 inline Tensors tensors_of(const std::vector<Input>& inputs) {
   Tensors out;
   for (const auto& in : inputs) out.push_back(in.tensor);
@@ -79,6 +118,27 @@ class TimeStepOutputs {
  public:
   TimeStepOutputs(int64_t T, bool reduce)
       : reduce_(reduce), steps_(reduce ? 1 : static_cast<size_t>(T)) {}
+  /// Chunk i's outputs, each [k_i, ...] (checked), added step by step: sums
+  /// in the order single steps make them, so every k gives the same result.
+  void add_chunk(const char* method, int64_t last_stage, const TimeChunks& chunks, int64_t i,
+                 const Tensors& out) {
+    const int64_t k = chunks.size(i), t0 = chunks.first(i);
+    for (size_t o = 0; o < out.size(); ++o) {
+      const at::Tensor& y = out[o];
+      TORCH_CHECK(y.defined() && y.dim() >= 1 && y.size(0) == k, "mpipe::ModelPipeline::",
+                  method, ": stage ", last_stage, " returned ",
+                  y.defined() ? c10::str("shape ", y.sizes()) : std::string("an undefined tensor"),
+                  out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
+                  " for time chunk ", i, " (time steps ", t0, " to ", t0 + k - 1, " of ", chunks.T,
+                  "); a multi-step stage returns [k, N, ...] with k = ", k,
+                  " steps along dim 0");
+    }
+    for (int64_t t = 0; t < k; ++t) {
+      Tensors step;
+      for (const auto& y : out) step.push_back(y.select(0, t));
+      add(t0 + t, std::move(step));
+    }
+  }
   void add(int64_t t, Tensors out) {
     if (!reduce_) {
       steps_[static_cast<size_t>(t)] = std::move(out);

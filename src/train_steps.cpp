@@ -45,6 +45,13 @@ at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out, const a
               "the loss function failed: ", what);
 }
 
+/// "time step t of T", or "time chunk i of n (time steps a to b of T)".
+std::string describe_item(const detail::TimeChunks& chunks, int64_t i) {
+  if (!chunks.multi()) return c10::str("time step ", i, " of ", chunks.T);
+  return c10::str("time chunk ", i, " of ", chunks.count(), " (time steps ", chunks.first(i),
+                  " to ", chunks.first(i) + chunks.size(i) - 1, " of ", chunks.T, ")");
+}
+
 void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
   const bool interleaved =
@@ -401,7 +408,7 @@ at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs
 at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input>& inputs,
                                                          int64_t T, const at::Tensor& target,
                                                          const LossFunction& loss_fn,
-                                                         bool graphable_call) {
+                                                         int64_t chunk, bool graphable_call) {
   if (!distributed()) {
     detail::batch_size("constant_train_step", inputs, 0);
     TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
@@ -418,15 +425,18 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
         ~ResetAfter() { reset_states(m); }
       } reset_after{self};
       return across("constant_train_step", [&](detail::RemoteCall& call) {
-        return constant_step_across(call, inputs, T, target, loss_fn);
+        return constant_step_across(call, inputs, T, target, loss_fn, chunk);
       });
     });
   }
   const size_t last = devices.size() - 1;
+  std::vector<bool> batched;
+  for (const auto& in : inputs) batched.push_back(in.batched);
+  const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
   auto eager = [&](const Tensors& in, const at::Tensor& tgt, bool threaded) {
     detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
-    const Tensors outs =
-        run_constant("constant_train_step", in, T, /*reduce=*/true, threaded, &positions);
+    const Tensors outs = run_constant("constant_train_step", in, T, /*reduce=*/true, chunk,
+                                      threaded, &positions, nullptr, batched);
     TORCH_CHECK(outs.size() == 1, "mpipe::ModelPipeline::constant_train_step: the last stage "
                 "returned ", outs.size(), " tensors; loss_fn takes one");
     struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
@@ -465,7 +475,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
         const auto position = positions.last();
         TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
                     position.first, " (on ", devices[static_cast<size_t>(position.first)],
-                    ") failed at backward of time step ", position.second, " of ", T, ": ",
+                    ") failed at backward of ", describe_item(chunks, position.second), ": ",
                     failure);
         TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
                     "before reaching a stage (in the loss's backward): ", failure);
@@ -493,6 +503,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
     GraphKey key;
     key.method = "constant_train_step";
     key.items = T;
+    key.chunk = chunk;
     key.input_sizes = in[0].sizes().vec();
     key.input_dtype = in[0].scalar_type();
     if (target.defined()) {
@@ -523,15 +534,19 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
 at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& call,
                                                           const std::vector<Input>& inputs,
                                                           int64_t T, const at::Tensor& target,
-                                                          const LossFunction& loss_fn) {
+                                                          const LossFunction& loss_fn,
+                                                          int64_t chunk) {
   const auto info = agree(call, "constant_train_step", [&] {
     detail::batch_size("constant_train_step", inputs, 0);
     TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time "
                 "steps) must be positive, got ", T);
     detail::CallInfo c;
     c.n_items = T;
+    c.chunk = chunk;
     return c;
   });
+  const detail::TimeChunks chunks{info.n_items, info.chunk};
+  const int64_t n_items = chunks.count();
   if (call.last()) {
     TORCH_CHECK(static_cast<bool>(loss_fn),
                 "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
@@ -540,8 +555,11 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
   call.boundary.record = true;
   const Tensors in = call.first() ? detail::tensors_of(inputs) : Tensors{};
   detail::BackwardPositions positions(call.first() ? in[0] : at::Tensor());
+  std::vector<bool> batched;
+  for (const auto& input : inputs) batched.push_back(input.batched);
   const Tensors outs = run_constant("constant_train_step", in, info.n_items, /*reduce=*/true,
-                                    self.options.worker_threads(), &positions, &call);
+                                    info.chunk, self.options.worker_threads(), &positions, &call,
+                                    batched);
   call.boundary.record = false;
 
   // The backward pass, rank by rank (this rank's first and last stages).
@@ -578,8 +596,9 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
       roots.push_back(loss);
       grads.emplace_back();
     } else {
-      phase = "the gradients from the next rank for time step";
-      for (item = 0; item < info.n_items; ++item) {
+      phase = chunks.multi() ? "the gradients from the next rank for time chunk"
+                             : "the gradients from the next rank for time step";
+      for (item = 0; item < n_items; ++item) {
         const Tensors got = link.receive(last, detail::Key{detail::Key::Gradient, item, {}});
         const Tensors& sent = call.boundary.sent[item];
         TORCH_CHECK(got.size() == sent.size(), "the next rank sent ", got.size(),
@@ -600,7 +619,7 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
     }
     executor.join();
     if (!call.first()) {
-      for (int64_t t = 0; t < info.n_items; ++t) {
+      for (int64_t t = 0; t < n_items; ++t) {
         Tensors back;
         for (const auto& leaf : call.boundary.received[t]) {
           back.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
@@ -615,8 +634,8 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
       const auto position = positions.last();
       where = position.first >= 0
                   ? c10::str("stage ", position.first, " (rank ", call.group().rank(),
-                             ") failed at backward of time step ", position.second, " of ",
-                             info.n_items, ": ")
+                             ") failed at backward of ", describe_item(chunks, position.second),
+                             ": ")
                   : std::string("the backward pass failed: ");
     } else {
       where = c10::str("rank ", call.group().rank(), " failed at ", phase,

@@ -324,3 +324,250 @@ TEST(MultiStepNeurons, FusedKernelEqualsSingleSteps_CUDA) {
     }
   }
 }
+
+namespace {
+
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::snn::SeqToANN;
+
+/// Three stages of Linear + LIF (the last Linear + IF), as single-step
+/// stages and as multi-step stages sharing the same Linear layers.
+struct TwinStages {
+  std::vector<torch::nn::Linear> fc;
+  std::vector<torch::nn::Sequential> single, multi;
+  explicit TwinStages(int64_t width = 8) {
+    torch::manual_seed(17);
+    for (int s = 0; s < 3; ++s) {
+      fc.emplace_back(torch::nn::Linear(width, width));
+      fc.back()->to(torch::kDouble);
+      const bool last = s == 2;
+      auto neuron = [&](StepMode mode) -> torch::nn::AnyModule {
+        if (last) return torch::nn::AnyModule(IFNode(IFNodeOptions().step_mode(mode)));
+        return torch::nn::AnyModule(
+            LIFNode(LIFNodeOptions().v_reset(std::nullopt).step_mode(mode)));
+      };
+      single.emplace_back(torch::nn::Sequential(fc.back()));
+      single.back()->push_back(neuron(StepMode::Single));
+      multi.emplace_back(torch::nn::Sequential(SeqToANN(fc.back())));
+      multi.back()->push_back(neuron(StepMode::Multi));
+    }
+  }
+  ModelPipeline pipeline(bool multi_step, ModelPipelineOptions options = {}) const {
+    ModelPipeline pipe(options);
+    for (const auto& stage : multi_step ? multi : single) pipe->append(stage, "cpu");
+    return pipe;
+  }
+};
+
+}  // namespace
+
+TEST(TimeChunks, EveryChunkSizeEqualsSingleStepStages) {
+  TwinStages twin;
+  const int64_t T = 10, N = 4;
+  auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  auto seq = torch::rand({T, N, 8}, torch::kDouble) * 1.5;
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE("worker_threads=" + std::to_string(threads));
+    auto single = twin.pipeline(false, ModelPipelineOptions().worker_threads(threads));
+    auto multi = twin.pipeline(true, ModelPipelineOptions().worker_threads(threads));
+    const auto sum_ref = single->constant_forward(x, T, true);
+    const auto cat_ref = single->constant_forward(x, T, false);
+    const auto seq_ref = single->sequence_forward(seq, false);
+    const auto seq_sum_ref = single->sequence_forward(seq, true);
+    ASSERT_GT(sum_ref.sum().item<double>(), 0.0) << "the test should make spikes";
+    ASSERT_LT(cat_ref.mean().item<double>(), 0.9) << "and not spike everywhere";
+    for (int64_t k : {1, 2, 3, 4, 10, 25}) {
+      SCOPED_TRACE("time_chunk " + std::to_string(k));
+      expect_close(multi->constant_forward(x, T, true, k), sum_ref, 0.0, "constant_forward sum");
+      expect_close(multi->constant_forward(x, T, false, k), cat_ref, 0.0,
+                   "constant_forward, steps concatenated");
+      expect_close(multi->sequence_forward(seq, false, k), seq_ref, 0.0, "sequence_forward");
+      expect_close(multi->sequence_forward(seq, true, k), seq_sum_ref, 0.0,
+                   "sequence_forward sum");
+      EXPECT_EQ(mpipe::reset_states(*multi), 3);
+    }
+    mpipe::reset_states(*single);
+  }
+  // The options give the default chunk.
+  auto by_options = twin.pipeline(
+      true, ModelPipelineOptions().step_mode(StepMode::Multi).time_chunk(3));
+  auto reference = twin.pipeline(false);
+  expect_close(by_options->constant_forward(x, T), reference->constant_forward(x, T), 0.0,
+               "ModelPipelineOptions::time_chunk");
+}
+
+TEST(TimeChunks, ConstantTrainStepEqualsSingleStepStagesForEveryChunk) {
+  TwinStages twin;
+  const int64_t T = 7, N = 5;
+  auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  auto target = torch::rand({N, 8}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  auto single = twin.pipeline(false);
+  auto xs = x.clone().requires_grad_();
+  const auto loss_ref = single->constant_train_step(xs, T, target, loss_fn);
+  // Both pipelines share the Linear layers: compare their gradients by layer.
+  auto fc_grads = [&] {
+    std::map<std::string, torch::Tensor> g;
+    for (size_t s = 0; s < twin.fc.size(); ++s) {
+      for (const auto& kv : grads_of(*twin.fc[s])) g[std::to_string(s) + "." + kv.first] = kv.second;
+    }
+    return g;
+  };
+  const auto grads_ref = fc_grads();
+  ASSERT_EQ(grads_ref.size(), 6u);
+  const auto x_grad_ref = xs.grad().clone();
+  ASSERT_GT(x_grad_ref.abs().sum().item<double>(), 0.0) << "gradients must reach the input";
+  for (bool threads : {true, false}) {
+    for (int64_t k : {1, 2, 3, 7, 9}) {
+      SCOPED_TRACE("worker_threads=" + std::to_string(threads) + " time_chunk " +
+                   std::to_string(k));
+      auto multi = twin.pipeline(true, ModelPipelineOptions().worker_threads(threads));
+      zero_grads(*multi);
+      auto xm = x.clone().requires_grad_();
+      const auto loss = multi->constant_train_step(xm, T, target, loss_fn, k);
+      expect_close(loss, loss_ref, 0.0, "loss");
+      // A weight's (and x's) gradient sums over steps: in one reduction per
+      // chunk instead of per step, so only the last bits may differ.
+      expect_same_grads(fc_grads(), grads_ref, 1e-12);
+      expect_close(xm.grad(), x_grad_ref, 1e-12, "gradient of x");
+      EXPECT_FALSE(multi->stage(0)->children()[1]->as<LIFNode>()->holds_state())
+          << "constant_train_step resets the state after the step";
+    }
+  }
+}
+
+TEST(TimeChunks, SpikingConvBlocksInTrainingEqualSingleStepStages) {
+  using mpipe::snn::SpikingConvBlock;
+  using mpipe::snn::SpikingConvBlockOptions;
+  const int64_t T = 5, N = 3;
+  auto make = [&](StepMode mode) {
+    torch::manual_seed(23);
+    ModelPipeline pipe;
+    pipe->append(SpikingConvBlock(SpikingConvBlockOptions(1, 4).pool(2).neuron(
+                     IFNodeOptions().step_mode(mode))),
+                 "cpu");
+    pipe->append(SpikingConvBlock(SpikingConvBlockOptions(4, 4).neuron(
+                     LIFNodeOptions().step_mode(mode))),
+                 "cpu");
+    pipe->to(torch::kDouble);
+    return pipe;
+  };
+  auto x = torch::rand({N, 1, 8, 8}, torch::kDouble) * 2;
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+  auto single = make(StepMode::Single);
+  const auto out_ref = single->constant_forward(x, T, false);
+  mpipe::reset_states(*single);
+  const auto loss_ref = single->constant_train_step(x, T, torch::Tensor(), loss_fn);
+  const auto grads_ref = grads_of(*single);
+  ASSERT_GT(out_ref.sum().item<double>(), 0.0) << "the test should make spikes";
+  for (int64_t k : {1, 2, 5}) {
+    SCOPED_TRACE("time_chunk " + std::to_string(k));
+    auto multi = make(StepMode::Multi);
+    expect_close(multi->constant_forward(x, T, false, k), out_ref, 0.0, "spikes");
+    mpipe::reset_states(*multi);
+    expect_close(multi->constant_train_step(x, T, torch::Tensor(), loss_fn, k), loss_ref, 0.0,
+                 "loss");
+    expect_same_grads(grads_of(*multi), grads_ref, 1e-12);
+    for (size_t s = 0; s < 2; ++s) {
+      auto a = single->stage(s)->as<mpipe::snn::SpikingConvBlockImpl>();
+      auto b = multi->stage(s)->as<mpipe::snn::SpikingConvBlockImpl>();
+      expect_close(a->bn->running_mean, b->bn->running_mean, 0.0, "running mean");
+      expect_close(a->bn->running_var, b->bn->running_var, 0.0, "running variance");
+    }
+  }
+}
+
+namespace {
+/// A multi-step stage that fails at one time step, or returns the wrong
+/// number of steps.
+struct ChunkProbeImpl : torch::nn::Module {
+  int64_t fail_at = -1;     // a global step; -1: never
+  bool drop_step = false;   // return one step fewer
+  int64_t seen = 0;
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t k = x.size(0);
+    const int64_t first = seen;
+    seen += k;
+    TORCH_CHECK(!(fail_at >= first && fail_at < first + k), "probe failure at step ", fail_at);
+    return drop_step ? x.narrow(0, 0, k - 1) * 2 : x * 2;
+  }
+};
+TORCH_MODULE(ChunkProbe);
+}  // namespace
+
+TEST(TimeChunks, ErrorsNameStageChunkAndStepsAndThePipelineStaysUsable) {
+  TwinStages twin;
+  auto pipe = twin.pipeline(true);
+  ChunkProbe probe;
+  pipe->append(probe, "cpu");
+  auto x = torch::rand({2, 8}, torch::kDouble);
+  const auto good = pipe->constant_forward(x, 10, true, 4);
+  mpipe::reset_states(*pipe);
+  probe->seen = 0;
+
+  probe->fail_at = 6;
+  MPIPE_EXPECT_ERROR(pipe->constant_forward(x, 10, true, 4), "constant_forward", "stage 3",
+                     "time chunk 1 of 3", "time steps 4 to 7 of 10", "probe failure at step 6");
+  probe->fail_at = -1;
+  probe->seen = 0;
+  EXPECT_FALSE(pipe->stage(0)->children()[1]->as<LIFNode>()->holds_state())
+      << "a failed call leaves the state it found";
+  expect_close(pipe->constant_forward(x, 10, true, 4), good, 0.0, "after the error");
+  mpipe::reset_states(*pipe);
+  probe->seen = 0;
+
+  probe->drop_step = true;
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::rand({10, 2, 8}, torch::kDouble), false, 4),
+                     "sequence_forward", "stage 3", "shape [3, 2, 8]", "time chunk 0",
+                     "time steps 0 to 3 of 10", "k = 4");
+  probe->drop_step = false;
+  probe->seen = 0;
+  mpipe::reset_states(*pipe);
+
+  probe->fail_at = 9;
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 10, torch::Tensor(), loss_fn, 4),
+                     "constant_train_step", "stage 3", "time chunk 2 of 3",
+                     "time steps 8 to 9 of 10");
+  probe->fail_at = -1;
+  probe->seen = 0;
+  EXPECT_TRUE(pipe->constant_train_step(x, 10, torch::Tensor(), loss_fn, 4).defined());
+
+  MPIPE_EXPECT_ERROR(pipe->constant_forward(x, 10, true, 0), "constant_forward",
+                     "time_chunk (time steps per stage call) must be >= 1, got 0");
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::rand({3, 2, 8}), false, -2),
+                     "sequence_forward", "got -2");
+  auto bad = twin.pipeline(true, ModelPipelineOptions().step_mode(StepMode::Multi).time_chunk(0));
+  MPIPE_EXPECT_ERROR(bad->constant_forward(x, 10), "ModelPipelineOptions::time_chunk", "got 0");
+}
+
+TEST(TimeChunks, EqualSingleStepStagesOnTheGpuEagerAndGraphed_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  TwinStages twin(64);
+  for (auto& fc : twin.fc) fc->to(torch::kCUDA);
+  const int64_t T = 12;
+  auto x = torch::rand({32, 64}, torch::TensorOptions(torch::kCUDA).dtype(torch::kDouble)) * 1.5;
+  for (bool graphs : {false, true}) {
+    ModelPipeline single(ModelPipelineOptions().cuda_graphs(graphs));
+    ModelPipeline multi(ModelPipelineOptions().cuda_graphs(graphs));
+    for (size_t s = 0; s < 3; ++s) {
+      single->append(twin.single[s], "cuda:0");
+      multi->append(twin.multi[s], "cuda:0");
+    }
+    torch::NoGradGuard no_grad;
+    const auto ref = single->constant_forward(x, T, false);
+    mpipe::reset_states(*single);
+    ASSERT_GT(ref.sum().item<double>(), 0.0);
+    for (int64_t k : {1, 4, 5, 12}) {
+      SCOPED_TRACE("cuda_graphs=" + std::to_string(graphs) + " time_chunk " + std::to_string(k));
+      for (int rep = 0; rep < 2; ++rep) {  // a graphed call is captured, then replayed
+        // cuBLAS may sum a product in another order for another row count.
+        expect_close(multi->constant_forward(x, T, false, k), ref, 1e-12, "spikes");
+        mpipe::reset_states(*multi);
+      }
+    }
+  }
+}

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -141,21 +142,33 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// `for t < T: out += model(x)` shows them. reduce = true returns the sum of
   /// the T outputs; reduce = false returns them concatenated along dim 0,
   /// time-major ([T*N, ...]).
-  at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true);
+  ///
+  /// Multi-step stages (ModelPipelineOptions::step_mode(Multi), or a
+  /// `time_chunk` k given here, which overrides the options): each stage call
+  /// takes k consecutive steps at once, x repeated as [k, N, ...], and returns
+  /// [k, N, ...]; chunks are pipelined as steps are (Note [Time chunks]). The
+  /// result has the same shape and values for every k.
+  at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true,
+                              std::optional<int64_t> time_chunk = std::nullopt);
   /// constant_forward for stages with several tensors: every time step gets
-  /// all `inputs`; each output is summed (reduce) or concatenated time-major.
-  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce = true);
+  /// all `inputs` (multi-step: batched inputs repeated as [k, ...], unbatched
+  /// ones whole); each output is summed (reduce) or concatenated time-major.
+  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce = true,
+                           std::optional<int64_t> time_chunk = std::nullopt);
 
   /// Runs the model on a sequence `x_seq` of shape [T, N, ...] (e.g.
   /// Poisson-encoded frames), step t on x_seq[t], with time steps pipelined
   /// across stages as in constant_forward. Returns the per-step outputs stacked
   /// as [T, N, ...], or their sum when reduce = true. Equal, in values and
-  /// gradients, to a plain loop over t.
-  at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false);
+  /// gradients, to a plain loop over t. Multi-step stages get the sequence in
+  /// chunks x_seq[t : t + k], as in constant_forward.
+  at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false,
+                              std::optional<int64_t> time_chunk = std::nullopt);
   /// sequence_forward for stages with several tensors: batched inputs are
   /// [T, N, ...] and step t gets their row t; unbatched inputs go whole to
   /// every step. Each output is stacked [T, ...] or summed (reduce).
-  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce = false);
+  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce = false,
+                           std::optional<int64_t> time_chunk = std::nullopt);
 
   /// One training step. Splits `input` and `target` along dim 0 into
   /// micro-batches of step.split_size() rows, runs every stage's forwards and
@@ -188,11 +201,14 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// `target` may be undefined if loss_fn ignores it. With options.cuda_graphs
   /// the forward and backward are replayed from one CUDA graph (Note [Graphed
   /// training steps]), loss_fn included: see train_step.
+  /// Multi-step stages take the T steps in chunks, as in constant_forward.
   at::Tensor constant_train_step(const at::Tensor& x, int64_t T, const at::Tensor& target,
-                                 const LossFunction& loss_fn);
+                                 const LossFunction& loss_fn,
+                                 std::optional<int64_t> time_chunk = std::nullopt);
   /// constant_train_step for stages with several tensors (the last returns one).
   at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
-                                 const at::Tensor& target, const LossFunction& loss_fn);
+                                 const at::Tensor& target, const LossFunction& loss_fn,
+                                 std::optional<int64_t> time_chunk = std::nullopt);
 
   /// Number of stages.
   size_t size() const noexcept;

@@ -4,6 +4,7 @@
 
 #include <mpipe/checkpoint.h>
 #include <mpipe/distributed.h>
+#include <mpipe/snn/step_mode.h>
 
 #include <torch/arg.h>
 
@@ -49,6 +50,19 @@ struct ModelPipelineOptions {
   /// on such a weight do not see the per-step sum; graphed steps always run
   /// as if off. See Note [Cast gradients per step].
   TORCH_ARG(bool, accumulate_cast_grads) = true;
+  /// How the stages take time in constant_forward, sequence_forward and
+  /// constant_train_step. Single (the default): one time step per stage
+  /// call, input [N, ...]. Multi: the stages are multi-step (neurons in
+  /// snn::StepMode::Multi, stateless layers inside snn::SeqToANN, as
+  /// SpikingJelly's step_mode 'm'), and each stage call gets time_chunk()
+  /// consecutive steps as [k, N, ...]. A call's own time_chunk argument
+  /// overrides both. See Note [Time chunks].
+  TORCH_ARG(snn::StepMode, step_mode) = snn::StepMode::Single;
+  /// Time steps per stage call with multi-step stages (>= 1; the last chunk
+  /// may be shorter; >= T: all steps in one call, no overlap over time).
+  /// Fewer, larger chunks cost fewer launches; more chunks overlap more
+  /// across stages.
+  TORCH_ARG(int64_t, time_chunk) = 4;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
   /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].
