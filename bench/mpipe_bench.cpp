@@ -243,7 +243,7 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
     nn::Linear fc(width, width);
     nn::Sequential stage(fc, mpipe::snn::LIFNode());
     nn::Sequential aten_stage(fc, mpipe::snn::LIFNode(mpipe::snn::LIFNodeOptions().fused(false)));
-    nn::Sequential multi_stage(mpipe::snn::SeqToANN(fc), mpipe::snn::LIFNode(multi));
+    nn::Sequential multi_stage{mpipe::snn::SeqToANN(fc), mpipe::snn::LIFNode(multi)};
     pipe->append(stage, devices[static_cast<size_t>(s)]);
     aten_pipe->append(aten_stage, devices[static_cast<size_t>(s)]);
     multi_pipe->append(multi_stage, devices[static_cast<size_t>(s)]);

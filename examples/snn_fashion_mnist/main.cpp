@@ -1,15 +1,18 @@
 // A convolutional spiking network trained on Fashion-MNIST with
-// mpipe::ModelPipeline::constant_forward over T time steps. See README.md.
+// mpipe::ModelPipeline::constant_train_step over T time steps. See README.md.
 //
 //   {Conv3x3(C)-BN-IF-MaxPool2} x 2 -> Linear(C*49, H)-IF -> Linear(H, 10)-IF
 //
-// The image is fed directly; the first Conv-BN-IF layer encodes it as spikes.
-// The output layer's firing rate over T steps is the prediction; the loss is
-// the MSE between the rate and the one-hot label.
+// The image is fed directly (the first Conv-BN-IF layer encodes it as
+// spikes), or, with --poisson, as Poisson spike frames through
+// sequence_forward. With --time-chunk K the stages are multi-step and take K
+// time steps per call. The output layer's firing rate over T steps is the
+// prediction; the loss is the MSE between the rate and the one-hot label.
 
 #include "fashion_mnist.h"
 #include "training.h"
 
+#include <mpipe/autocast.h>
 #include <mpipe/mpipe.h>
 #include <mpipe/snn.h>
 
@@ -19,6 +22,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/functional/padding.h>
 #include <torch/nn/modules/pooling.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
@@ -26,15 +30,19 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <memory>
 #include <stdexcept>
+#include <vector>
 
 namespace {
 
 struct Config {
   examples::CommonFlags common;
-  int64_t epochs = 0;  // 0: 24 on GPU, 4 on CPU (2 with --quick)
+  int64_t epochs = 0;  // 0: 64 on GPU, 4 on CPU (2 with --quick)
   int64_t batch_size = 128;
   int64_t time_steps = 4;
   double lr = 0.1;
@@ -45,25 +53,50 @@ struct Config {
   int64_t test_batch = 1000;
   bool quick_on_cpu = false;
   bool no_tf32 = false;
+  int64_t time_chunk = -1;  // -1: kDefaultTimeChunk on a GPU, 0 on the CPU; 0: single-step stages
+  bool no_augment = false;  // augmentation is on for full runs, off with --quick
+  int64_t crop_pad = 2;
+  bool poisson = false;
+  std::string precision = "fp32";
   mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
+/// Time steps per stage call when --time-chunk is not given and the stages
+/// are on a GPU (the benchmark's choice, bench/RESULTS.md). On the CPU the
+/// default is single-step stages: there larger convolution batches measured
+/// slower (README.md).
+constexpr int64_t kDefaultTimeChunk = 4;
+
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
   namespace nn = torch::nn;
-  using mpipe::snn::IFNode;
-  const auto neuron = mpipe::snn::IFNodeOptions()
-                          .surrogate(mpipe::snn::Surrogate::atan())
-                          .detach_reset(true);
+  namespace snn = mpipe::snn;
+  const bool multi = cfg.time_chunk > 0;
+  const auto mode = multi ? snn::StepMode::Multi : snn::StepMode::Single;
+  const auto neuron =
+      snn::IFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
   const int64_t c = cfg.channels;
-  nn::Sequential conv1(nn::Conv2d(nn::Conv2dOptions(1, c, 3).padding(1).bias(false)),
-                       nn::BatchNorm2d(c), IFNode(neuron), nn::MaxPool2d(2));
-  nn::Sequential conv2(nn::Conv2d(nn::Conv2dOptions(c, c, 3).padding(1).bias(false)),
-                       nn::BatchNorm2d(c), IFNode(neuron), nn::MaxPool2d(2));
-  nn::Sequential fc1(nn::Flatten(), nn::Linear(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false)),
-                     IFNode(neuron));
-  nn::Sequential fc2(nn::Linear(nn::LinearOptions(cfg.hidden, 10).bias(false)), IFNode(neuron));
+  // Conv3x3 (no bias), BatchNorm (statistics per time step in either mode),
+  // IF, MaxPool2.
+  nn::Sequential conv1(snn::SpikingConvBlock(snn::SpikingConvBlockOptions(1, c).pool(2).neuron(neuron)));
+  nn::Sequential conv2(snn::SpikingConvBlock(snn::SpikingConvBlockOptions(c, c).pool(2).neuron(neuron)));
+  nn::Sequential fc1, fc2;
+  nn::Flatten flatten;
+  nn::Linear linear1(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false));
+  nn::Linear linear2(nn::LinearOptions(cfg.hidden, 10).bias(false));
+  if (multi) {  // [k, N, ...] per call: the stateless layers on [k*N, ...]
+    fc1->push_back(snn::SeqToANN(flatten, linear1));
+    fc2->push_back(snn::SeqToANN(linear2));
+  } else {
+    fc1->push_back(flatten);
+    fc1->push_back(linear1);
+    fc2->push_back(linear2);
+  }
+  fc1->push_back(snn::IFNode(neuron));
+  fc2->push_back(snn::IFNode(neuron));
   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
                                 .worker_threads(!cfg.common.inline_host)
+                                .step_mode(mode)
+                                .time_chunk(multi ? cfg.time_chunk : 1)
                                 .process_group(cfg.group));
   // Every rank builds every stage (the same random draws) and appends its range.
   const std::vector<nn::Sequential> stages{conv1, conv2, fc1, fc2};
@@ -75,6 +108,87 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   return pipe;
 }
 
+/// Random crops (the image shifted by up to `pad` pixels each way, zeros
+/// shifted in) and horizontal flips of a batch [N, 1, 28, 28], on its device.
+torch::Tensor augment(const torch::Tensor& x, int64_t pad) {
+  const int64_t n = x.size(0), h = x.size(2), w = x.size(3);
+  const auto opts = torch::TensorOptions(x.device()).dtype(torch::kLong);
+  torch::Tensor out = x;
+  if (pad > 0) {
+    namespace F = torch::nn::functional;
+    const auto padded = F::pad(x, F::PadFuncOptions({pad, pad, pad, pad}));
+    const auto dy = torch::randint(0, 2 * pad + 1, {n, 1, 1}, opts);
+    const auto dx = torch::randint(0, 2 * pad + 1, {n, 1, 1}, opts);
+    const auto rows = torch::arange(h, opts).view({1, h, 1}) + dy;
+    const auto cols = torch::arange(w, opts).view({1, 1, w}) + dx;
+    const auto batch = torch::arange(n, opts).view({n, 1, 1});
+    out = padded.select(1, 0).index({batch, rows, cols}).unsqueeze(1);
+  }
+  const auto flip = torch::rand({n, 1, 1, 1}, x.options()) < 0.5;
+  return torch::where(flip, out.flip({3}), out);
+}
+
+/// Poisson spike frames [T, N, ...] of images with intensities in [0, 1].
+torch::Tensor poisson_frames(const torch::Tensor& x, int64_t T) {
+  std::vector<int64_t> shape{T};
+  shape.insert(shape.end(), x.sizes().begin(), x.sizes().end());
+  return mpipe::snn::poisson_encode(x.unsqueeze(0).expand(shape));
+}
+
+/// The spikes of the output layer summed over the T steps: the image held
+/// for T steps (constant_forward), or its Poisson frames (sequence_forward).
+torch::Tensor summed_output(mpipe::ModelPipeline& pipe, const torch::Tensor& x, const Config& cfg) {
+  if (cfg.poisson) return pipe->sequence_forward(poisson_frames(x, cfg.time_steps), true);
+  return pipe->constant_forward(x, cfg.time_steps);
+}
+
+/// Autocast for --precision bf16 on the stages' device type; nothing for fp32.
+std::unique_ptr<mpipe::AutocastGuard> precision_scope(const Config& cfg, const torch::Device& d) {
+  if (cfg.precision != "bf16") return nullptr;
+  return std::make_unique<mpipe::AutocastGuard>(d.type(), torch::kBFloat16);
+}
+
+/// An SVG plot of the train and test accuracy per epoch.
+void write_accuracy_svg(const std::string& path, const std::vector<double>& train,
+                        const std::vector<double>& test, const std::string& title) {
+  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
+  const double lo = std::max(0.0, std::floor(20 * std::min(*std::min_element(test.begin(), test.end()),
+                                                          *std::min_element(train.begin(), train.end()))) / 20);
+  const double hi = 1.0;
+  const size_t n = test.size();
+  auto px = [&](size_t i) { return left + (W - left - right) * (n > 1 ? double(i) / double(n - 1) : 0.5); };
+  auto py = [&](double a) { return top + (H - top - bottom) * (hi - a) / (hi - lo); };
+  std::ofstream f(path);
+  f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n";
+  for (double a = lo; a <= hi + 1e-9; a += 0.01) {  // grid: every 1 %, labelled every 5 %
+    const bool major = std::fmod(std::round(a * 100), 5) == 0;
+    f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(a) << "\" y2=\"" << py(a)
+      << "\" stroke=\"" << (major ? "#bbb" : "#eee") << "\"/>\n";
+    if (major) {
+      f << "<text x=\"" << left - 6 << "\" y=\"" << py(a) + 4 << "\" text-anchor=\"end\">"
+        << std::lround(a * 100) << " %</text>\n";
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (n <= 20 || (i + 1) % 10 == 0 || i == 0) {
+      f << "<text x=\"" << px(i) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\">" << i + 1
+        << "</text>\n";
+    }
+  }
+  f << "<text x=\"" << W / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">epoch</text>\n";
+  auto line = [&](const std::vector<double>& v, const char* colour, const char* name, double ly) {
+    f << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\"";
+    for (size_t i = 0; i < v.size(); ++i) f << px(i) << "," << py(std::max(v[i], lo)) << " ";
+    f << "\"/>\n<text x=\"" << W - right - 120 << "\" y=\"" << ly << "\" fill=\"" << colour << "\">" << name
+      << "</text>\n";
+  };
+  line(train, "#d62728", "train accuracy", H - bottom - 30);
+  line(test, "#1f77b4", "test accuracy", H - bottom - 14);
+  f << "</svg>\n";
+}
+
 /// Test accuracy (fraction) of `pipe` on `test`.
 double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const Config& cfg) {
   torch::NoGradGuard no_grad;
@@ -84,7 +198,11 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const
     const int64_t n = std::min(cfg.test_batch, test.size() - start);
     auto x = test.images.narrow(0, start, n);
     auto y = test.labels.narrow(0, start, n);
-    const auto sum = pipe->constant_forward(x, cfg.time_steps);
+    torch::Tensor sum;
+    {
+      const auto precision = precision_scope(cfg, pipe->device(0));
+      sum = summed_output(pipe, x, cfg);
+    }
     mpipe::reset_states(*pipe);
     if (!sum.defined()) continue;  // a rank before the last
     correct += mpipe::snn::predict(mpipe::snn::rate_from_sum(sum, cfg.time_steps)).eq(y).sum();
@@ -106,7 +224,12 @@ int run(Config cfg) {
     if (common.test_limit == 0) common.test_limit = 2000;
     cfg.test_batch = std::min<int64_t>(cfg.test_batch, 250);  // large CPU batches are slower
   }
-  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 24 : 4);
+  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 64 : 4);
+  if (cfg.time_chunk < 0) cfg.time_chunk = cuda ? kDefaultTimeChunk : 0;
+  const bool augmenting = !cfg.no_augment && !common.quick;
+  if (cfg.precision != "fp32" && cfg.precision != "bf16") {
+    throw std::runtime_error("--precision must be fp32 or bf16, got " + cfg.precision);
+  }
   torch::manual_seed(common.seed);
   if (cuda) {
     torch::cuda::manual_seed_all(common.seed);
@@ -123,9 +246,13 @@ int run(Config cfg) {
 
   cfg.group = examples::group_from_env();
   const bool report = examples::reports(cfg.group);
+  if (cfg.poisson && cfg.group.defined()) {
+    throw std::runtime_error("--poisson trains through sequence_forward, whose backward does not "
+                             "cross processes; run it in one process");
+  }
   auto pipe = build_model(cfg, devices);
   std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s%s, T=%lld, %lld train / %lld test "
-              "images, batch %lld, channels %lld, hidden %lld%s\n",
+              "images, batch %lld, channels %lld, hidden %lld, %s, %s, %s, %s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
               cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
                                      " processes").c_str()
@@ -133,7 +260,12 @@ int run(Config cfg) {
               static_cast<long long>(cfg.time_steps), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.channels), static_cast<long long>(cfg.hidden),
-              common.quick ? " (quick)" : "");
+              cfg.time_chunk > 0 ? ("time chunks of " + std::to_string(cfg.time_chunk)).c_str()
+                                 : "single-step stages",
+              cfg.poisson ? "Poisson frames" : "image held for T steps",
+              augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
+                         : "no augmentation",
+              cfg.precision.c_str(), common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
     torch::load(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
@@ -150,6 +282,7 @@ int run(Config cfg) {
   int64_t step = 0;
   double best = 0, last = 0, train_seconds = 0;
   int64_t best_epoch = 0;
+  std::vector<double> train_curve, test_curve;
   const auto t_start = examples::Clock::now();
   for (int64_t epoch = 1; epoch <= cfg.epochs; ++epoch) {
     const auto t_epoch = examples::Clock::now();
@@ -162,6 +295,7 @@ int run(Config cfg) {
     for (int64_t start = 0; start < train.size(); start += cfg.batch_size, ++step) {
       const int64_t n = std::min(cfg.batch_size, train.size() - start);
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
+      if (augmenting) x = augment(x, cfg.crop_pad);
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
       examples::set_cosine_lr<torch::optim::SGDOptions>(opt, cfg.lr, step, total_steps);
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
@@ -173,7 +307,21 @@ int run(Config cfg) {
         return mpipe::snn::rate_mse_loss(rate, labels);
       };
       opt.zero_grad();
-      const auto loss = pipe->constant_train_step(x, cfg.time_steps, y, loss_fn);
+      torch::Tensor loss;
+      {
+        const auto precision = precision_scope(cfg, devices.front());
+        if (cfg.poisson) {  // Poisson frames: sequence_forward, then backward
+          const auto sum = pipe->sequence_forward(poisson_frames(x, cfg.time_steps), true);
+          if (sum.defined()) {
+            loss = loss_fn(sum, y);
+            loss.backward();
+            loss = loss.detach();
+          }
+          mpipe::reset_states(*pipe);
+        } else {
+          loss = pipe->constant_train_step(x, cfg.time_steps, y, loss_fn);
+        }
+      }
       if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
       if (loss.defined()) loss_sum += loss * n;
@@ -183,6 +331,8 @@ int run(Config cfg) {
     const double epoch_train_s = examples::seconds_since(t_epoch);
     train_seconds += epoch_train_s;
     last = evaluate(pipe, test, cfg);
+    train_curve.push_back(train_acc);
+    test_curve.push_back(last);
     if (last > best) {
       best = last;
       best_epoch = epoch;
@@ -201,11 +351,17 @@ int run(Config cfg) {
     std::printf("weights of this rank's stages saved to %s\n", path.c_str());
     return 0;
   }
+  const std::string plot = common.out + "/accuracy.svg";
+  char title[200];
+  std::snprintf(title, sizeof title, "snn_fashion_mnist: final test accuracy %.2f %% after %s of training",
+                100 * last, examples::format_duration(train_seconds).c_str());
+  write_accuracy_svg(plot, train_curve, test_curve, title);
   std::printf("final test accuracy %.2f%% (best %.2f%% at epoch %lld); %s of training "
-              "(%s with evaluation); weights saved to %s\n",
+              "(%s with evaluation); weights saved to %s, accuracy plot to %s\n",
               100 * last, 100 * best, static_cast<long long>(best_epoch),
               examples::format_duration(train_seconds).c_str(),
-              examples::format_duration(examples::seconds_since(t_start)).c_str(), path.c_str());
+              examples::format_duration(examples::seconds_since(t_start)).c_str(), path.c_str(),
+              plot.c_str());
   return examples::accuracy_exit_code(last, common.min_accuracy);
 }
 
@@ -215,7 +371,7 @@ int main(int argc, char** argv) {
   Config cfg;
   cfg.common.out = "snn_fashion_mnist_out";
   CLI::App app{"Train a convolutional SNN on Fashion-MNIST through an mpipe pipeline"};
-  app.add_option("--epochs", cfg.epochs, "epochs (default: 24 on GPU, 4 on CPU, 2 with --quick)");
+  app.add_option("--epochs", cfg.epochs, "epochs (default: 64 on GPU, 4 on CPU, 2 with --quick)");
   app.add_option("-b,--batch-size", cfg.batch_size, "training batch size")
       ->check(CLI::PositiveNumber);
   app.add_option("-T,--time-steps", cfg.time_steps, "time steps per image")
@@ -230,6 +386,18 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--quick-on-cpu", cfg.quick_on_cpu, "--quick when no GPU is used");
   app.add_flag("--no-tf32", cfg.no_tf32, "keep fp32 matrix products and convolutions exact");
+  app.add_option("--time-chunk", cfg.time_chunk,
+                 "multi-step stages fed K time steps per call (0: single-step stages; default " +
+                     std::to_string(kDefaultTimeChunk) + " on a GPU, 0 on the CPU)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--no-augment", cfg.no_augment,
+               "no random crops and flips of the training images (always off with --quick)");
+  app.add_option("--crop-pad", cfg.crop_pad, "random crops shift the image by up to this many pixels")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--poisson", cfg.poisson,
+               "feed Poisson spike frames (a new draw every step) through sequence_forward instead "
+               "of holding the image for T steps");
+  app.add_option("--precision", cfg.precision, "fp32, or bf16 (autocast over fp32 weights)");
   examples::add_common_flags(
       app, cfg.common, "a brief run for CPUs: small model, 4000 train / 2000 test images, 2 epochs");
   CLI11_PARSE(app, argc, argv);

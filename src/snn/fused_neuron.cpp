@@ -168,6 +168,9 @@ std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor&
 // charged potential of every step, is saved for backward as [T, N, ...]:
 // the same memory as T single steps.
 
+/// Elements per tile of the CPU loops over T steps.
+constexpr int64_t kTile = 256;
+
 /// (spikes [T, ...], v_last, h [T, ...]) from x [T, ...] and v0.
 std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const at::Tensor& v_in,
                                       const NeuronSpec& spec) {
@@ -193,19 +196,25 @@ std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const at::Tensor& 
     scalar_t* ps = spike.data_ptr<scalar_t>();
     scalar_t* pl = v_last.data_ptr<scalar_t>();
     scalar_t* ph = h.data_ptr<scalar_t>();
-    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(T, 1)),
-                     [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        scalar_t v = pv[i];
+    // Tiles of elements, t outer and elements inner: the inner loop has no
+    // dependence between iterations, so it vectorises like the single step's.
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      scalar_t v[kTile];
+      for (int64_t b = begin; b < end; b += kTile) {
+        const int64_t m = std::min<int64_t>(kTile, end - b);
+        for (int64_t i = 0; i < m; ++i) v[i] = pv[b + i];
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t k = t * n + i;
-          ph[k] = static_cast<scalar_t>(neuron_charge<A>(c, static_cast<A>(px[k]), static_cast<A>(v)));
-          A s, vn;
-          neuron_fire<A>(c, static_cast<A>(ph[k]), s, vn);
-          ps[k] = static_cast<scalar_t>(s);
-          v = static_cast<scalar_t>(vn);
+          const int64_t o = t * n + b;
+          for (int64_t i = 0; i < m; ++i) {
+            ph[o + i] = static_cast<scalar_t>(
+                neuron_charge<A>(c, static_cast<A>(px[o + i]), static_cast<A>(v[i])));
+            A s, vn;
+            neuron_fire<A>(c, static_cast<A>(ph[o + i]), s, vn);
+            ps[o + i] = static_cast<scalar_t>(s);
+            v[i] = static_cast<scalar_t>(vn);
+          }
         }
-        pl[i] = v;
+        for (int64_t i = 0; i < m; ++i) pl[b + i] = v[i];
       }
     });
   });
@@ -240,19 +249,22 @@ std::vector<at::Tensor> steps_backward(const at::Tensor& gs_in, const at::Tensor
     const scalar_t* ph = h.data_ptr<scalar_t>();
     scalar_t* pgx = gx.data_ptr<scalar_t>();
     scalar_t* pg0 = gv0.data_ptr<scalar_t>();
-    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(T, 1)),
-                     [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        scalar_t g = pgv ? pgv[i] : scalar_t(0);
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      scalar_t g[kTile];
+      for (int64_t b = begin; b < end; b += kTile) {
+        const int64_t m = std::min<int64_t>(kTile, end - b);
+        for (int64_t i = 0; i < m; ++i) g[i] = pgv ? pgv[b + i] : scalar_t(0);
         for (int64_t t = T - 1; t >= 0; --t) {
-          const int64_t k = t * n + i;
-          A a, b;
-          neuron_backward<A>(c, pgs ? static_cast<A>(pgs[k]) : A(0), static_cast<A>(g),
-                             static_cast<A>(ph[k]), a, b);
-          pgx[k] = static_cast<scalar_t>(a);
-          g = static_cast<scalar_t>(b);
+          const int64_t o = t * n + b;
+          for (int64_t i = 0; i < m; ++i) {
+            A a, r;
+            neuron_backward<A>(c, pgs ? static_cast<A>(pgs[o + i]) : A(0), static_cast<A>(g[i]),
+                               static_cast<A>(ph[o + i]), a, r);
+            pgx[o + i] = static_cast<scalar_t>(a);
+            g[i] = static_cast<scalar_t>(r);
+          }
         }
-        pg0[i] = g;
+        for (int64_t i = 0; i < m; ++i) pg0[b + i] = g[i];
       }
     });
   });

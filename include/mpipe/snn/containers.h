@@ -25,13 +25,15 @@ namespace mpipe {
 namespace snn {
 
 namespace detail {
-/// True for a parameter pack that is not a single Impl (which would be a copy).
+/// True for a parameter pack of layers: not a single Impl (a copy) and not a
+/// single Sequential (the constructor that takes it).
 template <typename Impl, typename... Ms>
 constexpr bool is_layer_list() {
   if constexpr (sizeof...(Ms) != 1) {
     return sizeof...(Ms) > 0;
   } else {
-    return !(std::is_same<std::decay_t<Ms>, Impl>::value || ...);
+    return !(std::is_same<std::decay_t<Ms>, Impl>::value || ...) &&
+           !(std::is_same<std::decay_t<Ms>, torch::nn::Sequential>::value || ...);
   }
 }
 
