@@ -58,6 +58,7 @@ struct Config {
   int64_t crop_pad = 2;
   bool poisson = false;
   std::string precision = "fp32";
+  std::string fc_neuron = "if";  // the fully connected layers' neurons: if or lif
   mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
@@ -91,8 +92,15 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
     fc1->push_back(linear1);
     fc2->push_back(linear2);
   }
-  fc1->push_back(snn::IFNode(neuron));
-  fc2->push_back(snn::IFNode(neuron));
+  // LIF (tau 2) in the fully connected part, or IF as in the conv blocks.
+  const auto lif = snn::LIFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
+  for (auto* fc : {&fc1, &fc2}) {
+    if (cfg.fc_neuron == "lif") {
+      (*fc)->push_back(snn::LIFNode(lif));
+    } else {
+      (*fc)->push_back(snn::IFNode(neuron));
+    }
+  }
   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
                                 .worker_threads(!cfg.common.inline_host)
                                 .step_mode(mode)
@@ -227,6 +235,9 @@ int run(Config cfg) {
   if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 64 : 4);
   if (cfg.time_chunk < 0) cfg.time_chunk = cuda ? kDefaultTimeChunk : 0;
   const bool augmenting = !cfg.no_augment && !common.quick;
+  if (cfg.fc_neuron != "if" && cfg.fc_neuron != "lif") {
+    throw std::runtime_error("--fc-neuron must be if or lif, got " + cfg.fc_neuron);
+  }
   if (cfg.precision != "fp32" && cfg.precision != "bf16") {
     throw std::runtime_error("--precision must be fp32 or bf16, got " + cfg.precision);
   }
@@ -252,7 +263,7 @@ int run(Config cfg) {
   }
   auto pipe = build_model(cfg, devices);
   std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s%s, T=%lld, %lld train / %lld test "
-              "images, batch %lld, channels %lld, hidden %lld, %s, %s, %s, %s%s\n",
+              "images, batch %lld, channels %lld, hidden %lld, %s FC neurons, %s, %s, %s, %s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
               cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
                                      " processes").c_str()
@@ -260,7 +271,7 @@ int run(Config cfg) {
               static_cast<long long>(cfg.time_steps), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.channels), static_cast<long long>(cfg.hidden),
-              cfg.time_chunk > 0 ? ("time chunks of " + std::to_string(cfg.time_chunk)).c_str()
+              cfg.fc_neuron == "lif" ? "LIF" : "IF", cfg.time_chunk > 0 ? ("time chunks of " + std::to_string(cfg.time_chunk)).c_str()
                                  : "single-step stages",
               cfg.poisson ? "Poisson frames" : "image held for T steps",
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
@@ -398,6 +409,7 @@ int main(int argc, char** argv) {
                "feed Poisson spike frames (a new draw every step) through sequence_forward instead "
                "of holding the image for T steps");
   app.add_option("--precision", cfg.precision, "fp32, or bf16 (autocast over fp32 weights)");
+  app.add_option("--fc-neuron", cfg.fc_neuron, "neurons of the fully connected layers: if or lif (tau 2)");
   examples::add_common_flags(
       app, cfg.common, "a brief run for CPUs: small model, 4000 train / 2000 test images, 2 epochs");
   CLI11_PARSE(app, argc, argv);
