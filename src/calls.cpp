@@ -10,6 +10,8 @@
 
 #include "mpipe/state.h"
 
+#include <algorithm>
+
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -141,6 +143,26 @@ Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int6
 // sees at once: batch statistics (SpikingConvBlock normalises step by step
 // in training for this reason) and the summation order of weight gradients.
 
+int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_t T) const {
+  if (chunk != detail::kAutoChunk) return chunk;
+  // Measured on one GPU: one chunk of all T steps is fastest, since stages
+  // that share a device gain nothing from overlapping. Across devices, about
+  // four chunks per device keep each busy (the fill-drain bubble is D - 1 of
+  // n + D - 1 items).
+  int64_t n_devices = 0;
+  if (distributed()) {
+    n_devices = static_cast<int64_t>(layout.first.size());
+  } else {
+    std::vector<c10::Device> seen;
+    for (const auto& d : devices) {
+      if (std::find(seen.begin(), seen.end(), d) == seen.end()) seen.push_back(d);
+    }
+    n_devices = static_cast<int64_t>(seen.size());
+  }
+  if (n_devices <= 1) return T;
+  return std::max<int64_t>(1, (T + 4 * n_devices - 1) / (4 * n_devices));
+}
+
 Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors& in, int64_t T,
                                                bool reduce, int64_t chunk, bool threaded,
                                                detail::BackwardPositions* positions,
@@ -199,7 +221,7 @@ Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inp
           detail::CallInfo c;
           c.n_items = T;
           c.reduce = reduce;
-          c.chunk = chunk;
+          c.chunk = resolve_chunk(chunk, T);
           return c;
         });
         return run_constant("constant_forward",
@@ -213,6 +235,7 @@ Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inp
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
               "must be positive, got ", T);
   const Tensors in = detail::tensors_of(inputs);
+  chunk = resolve_chunk(chunk, T);
   return guarded("constant_forward", [&]() -> Tensors {
     if (graphable_call && graphable(in[0])) {
       at::Tensor out = graphed_or_eager(
@@ -282,7 +305,7 @@ Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inp
           detail::CallInfo c;
           c.n_items = sequence_length(inputs);
           c.reduce = reduce;
-          c.chunk = chunk;
+          c.chunk = resolve_chunk(chunk, c.n_items);
           return c;
         });
         return sequence_items(call.first() ? inputs : std::vector<Input>{}, info.n_items,
@@ -291,6 +314,7 @@ Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inp
     });
   }
   const int64_t T = sequence_length(inputs);
+  chunk = resolve_chunk(chunk, T);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
     return sequence_items(in, T, reduce, chunk, threaded, nullptr);
   };

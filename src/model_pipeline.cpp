@@ -3,6 +3,7 @@
 // says where everything is).
 
 #include "pipeline_state.h"
+#include "scatter.h"
 
 #include "device_probe.h"
 
@@ -107,8 +108,8 @@ void check_runnable(const ModelPipelineImpl& p, const char* method) {
               ": the pipeline has no stages; add them with append(module, device)");
 }
 
-/// The call's time chunk: 0 for single-step stages, else k >= 1 (Note
-/// [Time chunks]).
+/// The call's time chunk: 0 for single-step stages, detail::kAutoChunk for
+/// the pipeline's choice, else k >= 1 (Note [Time chunks]).
 int64_t chunk_of(const ModelPipelineImpl& p, const char* method, std::optional<int64_t> arg) {
   if (arg) {
     TORCH_CHECK(*arg >= 1, "mpipe::ModelPipeline::", method, ": time_chunk (time steps per "
@@ -116,10 +117,10 @@ int64_t chunk_of(const ModelPipelineImpl& p, const char* method, std::optional<i
     return *arg;
   }
   if (p.options.step_mode() == snn::StepMode::Single) return 0;
-  TORCH_CHECK(p.options.time_chunk() >= 1, "mpipe::ModelPipeline::", method,
-              ": ModelPipelineOptions::time_chunk (time steps per stage call) must be >= 1, got ",
-              p.options.time_chunk());
-  return p.options.time_chunk();
+  TORCH_CHECK(p.options.time_chunk() >= 0, "mpipe::ModelPipeline::", method,
+              ": ModelPipelineOptions::time_chunk (time steps per stage call) must be >= 1, or 0 "
+              "for the pipeline's choice, got ", p.options.time_chunk());
+  return p.options.time_chunk() == 0 ? detail::kAutoChunk : p.options.time_chunk();
 }
 
 at::Tensor only(const char* method, Tensors out) {

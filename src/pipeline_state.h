@@ -68,7 +68,8 @@ struct ModelPipelineImpl::State {
   auto guarded(const char* method, F&& body) -> decltype(body());
   Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
   /// `chunk`: steps per stage call with multi-step stages, 0 for single
-  /// steps (Note [Time chunks]).
+  /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
+  int64_t resolve_chunk(int64_t chunk, int64_t T) const;
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
                            int64_t chunk, bool graphable_call);
   Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,

@@ -67,6 +67,9 @@ inline Tensors time_step(const std::vector<Input>& inputs, int64_t t) {
   return out;
 }
 
+/// A call's time chunk chosen by the pipeline (ModelPipelineOptions::time_chunk 0).
+constexpr int64_t kAutoChunk = -1;
+
 /// Time chunks (Note [Time chunks] in calls.cpp): T steps as items of k
 /// steps each (the last may be shorter); k = 0 means single-step items.
 struct TimeChunks {

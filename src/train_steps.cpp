@@ -430,6 +430,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
     });
   }
   const size_t last = devices.size() - 1;
+  chunk = resolve_chunk(chunk, T);
   std::vector<bool> batched;
   for (const auto& in : inputs) batched.push_back(in.batched);
   const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
@@ -542,7 +543,7 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
                 "steps) must be positive, got ", T);
     detail::CallInfo c;
     c.n_items = T;
-    c.chunk = chunk;
+    c.chunk = resolve_chunk(chunk, T);
     return c;
   });
   const detail::TimeChunks chunks{info.n_items, info.chunk};

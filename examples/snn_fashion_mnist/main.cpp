@@ -42,9 +42,9 @@ namespace {
 
 struct Config {
   examples::CommonFlags common;
-  int64_t epochs = 0;  // 0: 64 on GPU, 4 on CPU (2 with --quick)
+  int64_t epochs = 0;  // 0: 50 on GPU, 4 on CPU (2 with --quick)
   int64_t batch_size = 128;
-  int64_t time_steps = 4;
+  int64_t time_steps = 0;  // 0: 8 on GPU, 4 on CPU
   double lr = 0.1;
   double momentum = 0.9;
   int64_t channels = 128;
@@ -53,25 +53,21 @@ struct Config {
   int64_t test_batch = 1000;
   bool quick_on_cpu = false;
   bool no_tf32 = false;
-  int64_t time_chunk = -1;  // -1: kDefaultTimeChunk on a GPU, 0 on the CPU; 0: single-step stages
+  // Multi-step stages fed K steps per call; -1: the pipeline's choice on a
+  // GPU, single-step stages on the CPU; 0: single-step stages.
+  int64_t time_chunk = -1;
   bool no_augment = false;  // augmentation is on for full runs, off with --quick
-  int64_t crop_pad = 2;
+  int64_t crop_pad = 0;     // 0: flips only
   bool poisson = false;
   std::string precision = "fp32";
   std::string fc_neuron = "if";  // the fully connected layers' neurons: if or lif
   mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
-/// Time steps per stage call when --time-chunk is not given and the stages
-/// are on a GPU (the benchmark's choice, bench/RESULTS.md). On the CPU the
-/// default is single-step stages: there larger convolution batches measured
-/// slower (README.md).
-constexpr int64_t kDefaultTimeChunk = 4;
-
 mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Device>& devices) {
   namespace nn = torch::nn;
   namespace snn = mpipe::snn;
-  const bool multi = cfg.time_chunk > 0;
+  const bool multi = cfg.time_chunk != 0;
   const auto mode = multi ? snn::StepMode::Multi : snn::StepMode::Single;
   const auto neuron =
       snn::IFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
@@ -104,7 +100,7 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
                                 .worker_threads(!cfg.common.inline_host)
                                 .step_mode(mode)
-                                .time_chunk(multi ? cfg.time_chunk : 1)
+                                .time_chunk(std::max<int64_t>(cfg.time_chunk, 0))
                                 .process_group(cfg.group));
   // Every rank builds every stage (the same random draws) and appends its range.
   const std::vector<nn::Sequential> stages{conv1, conv2, fc1, fc2};
@@ -232,8 +228,10 @@ int run(Config cfg) {
     if (common.test_limit == 0) common.test_limit = 2000;
     cfg.test_batch = std::min<int64_t>(cfg.test_batch, 250);  // large CPU batches are slower
   }
-  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 64 : 4);
-  if (cfg.time_chunk < 0) cfg.time_chunk = cuda ? kDefaultTimeChunk : 0;
+  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 50 : 4);
+  if (cfg.time_steps == 0) cfg.time_steps = cuda && !common.quick ? 8 : 4;
+  // On the CPU single-step stages measured faster for this model (README.md).
+  if (cfg.time_chunk < 0 && !cuda) cfg.time_chunk = 0;
   const bool augmenting = !cfg.no_augment && !common.quick;
   if (cfg.fc_neuron != "if" && cfg.fc_neuron != "lif") {
     throw std::runtime_error("--fc-neuron must be if or lif, got " + cfg.fc_neuron);
@@ -382,10 +380,11 @@ int main(int argc, char** argv) {
   Config cfg;
   cfg.common.out = "snn_fashion_mnist_out";
   CLI::App app{"Train a convolutional SNN on Fashion-MNIST through an mpipe pipeline"};
-  app.add_option("--epochs", cfg.epochs, "epochs (default: 64 on GPU, 4 on CPU, 2 with --quick)");
+  app.add_option("--epochs", cfg.epochs, "epochs (default: 50 on GPU, 4 on CPU, 2 with --quick)");
   app.add_option("-b,--batch-size", cfg.batch_size, "training batch size")
       ->check(CLI::PositiveNumber);
-  app.add_option("-T,--time-steps", cfg.time_steps, "time steps per image")
+  app.add_option("-T,--time-steps", cfg.time_steps, "time steps per image (default: 8 on GPU, 4 on "
+                 "CPU and with --quick)")
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "SGD learning rate (cosine-annealed to 0)");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");
@@ -398,12 +397,14 @@ int main(int argc, char** argv) {
   app.add_flag("--quick-on-cpu", cfg.quick_on_cpu, "--quick when no GPU is used");
   app.add_flag("--no-tf32", cfg.no_tf32, "keep fp32 matrix products and convolutions exact");
   app.add_option("--time-chunk", cfg.time_chunk,
-                 "multi-step stages fed K time steps per call (0: single-step stages; default " +
-                     std::to_string(kDefaultTimeChunk) + " on a GPU, 0 on the CPU)")
+                 "multi-step stages fed K time steps per call; 0: single-step stages (default: "
+                 "multi-step stages with the pipeline's chunk, all T steps on one GPU; "
+                 "single-step stages on the CPU)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-augment", cfg.no_augment,
                "no random crops and flips of the training images (always off with --quick)");
-  app.add_option("--crop-pad", cfg.crop_pad, "random crops shift the image by up to this many pixels")
+  app.add_option("--crop-pad", cfg.crop_pad,
+                 "random crops shift the image by up to this many pixels (default 0: flips only)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--poisson", cfg.poisson,
                "feed Poisson spike frames (a new draw every step) through sequence_forward instead "

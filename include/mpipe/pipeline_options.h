@@ -58,11 +58,13 @@ struct ModelPipelineOptions {
   /// consecutive steps as [k, N, ...]. A call's own time_chunk argument
   /// overrides both. See Note [Time chunks].
   TORCH_ARG(snn::StepMode, step_mode) = snn::StepMode::Single;
-  /// Time steps per stage call with multi-step stages (>= 1; the last chunk
-  /// may be shorter; >= T: all steps in one call, no overlap over time).
-  /// Fewer, larger chunks cost fewer launches; more chunks overlap more
-  /// across stages.
-  TORCH_ARG(int64_t, time_chunk) = 4;
+  /// Time steps per stage call with multi-step stages (the last chunk may
+  /// be shorter; >= T: all steps in one call, no overlap over time). Fewer,
+  /// larger chunks cost fewer launches; more chunks overlap more across
+  /// devices. 0 (the default) chooses: all T steps in one chunk when every
+  /// stage is on one device, where that measured fastest (bench/RESULTS.md);
+  /// with D devices (or ranks) about 4 chunks per device, k = ceil(T / 4D).
+  TORCH_ARG(int64_t, time_chunk) = 0;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
   /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].
