@@ -141,7 +141,11 @@ Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs, int6
 // back into steps (and summed step by step when reducing), so results do not
 // depend on k, except where a layer's result depends on how many rows it
 // sees at once: batch statistics (SpikingConvBlock normalises step by step
-// in training for this reason) and the summation order of weight gradients.
+// in training for this reason), a BLAS that rounds a product over k*N rows
+// differently from one over N rows (MKL, cuBLAS: the last bit), and the
+// summation order of weight gradients. With ModelPipelineOptions::time_chunk
+// 0 the pipeline picks k (resolve_chunk): T on one device, where one chunk
+// measured fastest (bench/RESULTS.md, runs H and I).
 
 int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_t T) const {
   if (chunk != detail::kAutoChunk) return chunk;

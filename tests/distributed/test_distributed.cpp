@@ -11,6 +11,7 @@
 #include <mpipe/autocast.h>
 #include <mpipe/distributed.h>
 #include <mpipe/grad_scaler.h>
+#include <mpipe/snn.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -290,6 +291,67 @@ TEST(Distributed, ConstantTrainStepWithStateEqualsAPlainLoop) {
                      "constant_train_step, stage " + std::to_string(s) + ", " + what);
       }
     }
+  }
+}
+
+/// n multi-step stages: SeqToANN(Linear, Tanh) and a multi-step LIF neuron,
+/// the same draws for the same seed.
+Stages make_multi_step_model(int64_t n, uint64_t seed = 5) {
+  torch::manual_seed(seed);
+  Stages stages;
+  const auto lif = mpipe::snn::LIFNodeOptions().v_threshold(0.3).step_mode(mpipe::snn::StepMode::Multi);
+  for (int64_t s = 0; s < n; ++s) {
+    torch::nn::Sequential seq{mpipe::snn::SeqToANN(torch::nn::Linear(6, 6), torch::nn::Tanh()),
+                              mpipe::snn::LIFNode(lif)};
+    seq->to(torch::kDouble);
+    stages.push_back(seq);
+  }
+  return stages;
+}
+
+TEST(Distributed, TimeChunksEqualThePlainMultiStepModel) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size(), T = 7;
+  const Stages reference = make_multi_step_model(n);
+  const Stages mine = make_multi_step_model(n);
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()).step_mode(
+      mpipe::snn::StepMode::Multi));
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) pipe->append(mine[static_cast<size_t>(s)], "cpu");
+  const at::Tensor x = input(4) * 3;
+  auto plain_steps = [&](const at::Tensor& seq) {  // [T, N, 6] -> [T, N, 6], fresh state
+    for (auto stage : reference) mpipe::reset_states(*stage);
+    return plain(reference, seq);
+  };
+  auto step_sum = [](const at::Tensor& steps) {  // summed step by step, as the pipeline does
+    at::Tensor sum = steps[0];
+    for (int64_t t = 1; t < steps.size(0); ++t) sum = sum + steps[t];
+    return sum;
+  };
+  {
+    torch::NoGradGuard no_grad;
+    const at::Tensor want = step_sum(plain_steps(x.unsqueeze(0).expand({T, 4, 6})));
+    if (group().is_last()) ASSERT_GT(want.sum().item<double>(), 0.0) << "the test should spike";
+    for (int64_t k : {1, 3, 7}) {
+      const at::Tensor got = pipe->constant_forward(group().is_first() ? x : at::Tensor(), T, true, k);
+      mpipe::reset_states(*pipe);
+      if (group().is_last()) expect_close(got, want, "constant_forward, time chunk " + std::to_string(k));
+    }
+    const at::Tensor seq = torch::rand({T, 4, 6}, torch::kDouble) * 3;
+    const at::Tensor got = pipe->sequence_forward(group().is_first() ? seq : at::Tensor(), false, 2);
+    mpipe::reset_states(*pipe);
+    if (group().is_last()) expect_close(got, plain_steps(seq), "sequence_forward, time chunk 2");
+  }
+  // A training step in chunks of 3 (the last of 1), the default chunk too.
+  const at::Tensor y = torch::full({4, 6}, 0.5, torch::kDouble);
+  const at::Tensor want = mse(step_sum(plain_steps(x.unsqueeze(0).expand({T, 4, 6}))), y);
+  want.backward();
+  for (std::optional<int64_t> k : {std::optional<int64_t>(3), std::optional<int64_t>()}) {
+    const std::string what = k ? "time chunk 3" : "the default chunk";
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    const at::Tensor loss = pipe->constant_train_step(x, T, y, mse, k);
+    if (group().is_last()) expect_close(loss, want.detach(), "constant_train_step loss, " + what);
+    expect_same_grads(pipe, reference, "constant_train_step, " + what);
   }
 }
 
