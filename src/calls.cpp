@@ -196,18 +196,17 @@ Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors
   }
   spec.caller_tensors = in;
   spec.backward_positions = positions;
-  detail::TimeStepOutputs outs(T, reduce);
+  detail::TimeStepOutputs outs(T, reduce, chunks);
   spec.sink = [&](int64_t i, Tensors o) {
     if (chunks.multi()) {
-      outs.add_chunk(method, n_stages - 1, chunks, i, o);
+      outs.add_chunk(method, n_stages - 1, i, std::move(o));
     } else {
       outs.add(i, std::move(o));
     }
   };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
-  if (reduce) return for_caller(outs.steps()[0]);
-  return for_caller(detail::gather(method, "time step", n_stages - 1, outs.steps(), false, false));
+  return for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
 }
 
 Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs, int64_t T,
@@ -272,19 +271,17 @@ Tensors ModelPipelineImpl::State::sequence_items(const std::vector<Input>& in, i
     return chunks.multi() ? detail::sequence_chunk(in, chunks, i) : detail::time_step(in, i);
   };
   spec.caller_tensors = detail::tensors_of(in);
-  detail::TimeStepOutputs outs(T, reduce);
+  detail::TimeStepOutputs outs(T, reduce, chunks);
   spec.sink = [&](int64_t i, Tensors o) {
     if (chunks.multi()) {
-      outs.add_chunk("sequence_forward", n_stages - 1, chunks, i, o);
+      outs.add_chunk("sequence_forward", n_stages - 1, i, std::move(o));
     } else {
       outs.add(i, std::move(o));
     }
   };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
-  if (reduce) return for_caller(outs.steps()[0]);
-  return for_caller(
-      detail::gather("sequence_forward", "time step", n_stages - 1, outs.steps(), true, false));
+  return for_caller(outs.results("sequence_forward", n_stages - 1, /*stack=*/true));
 }
 
 namespace {

@@ -6,6 +6,7 @@
 #include "mpipe/tensors.h"
 
 #include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -115,32 +116,44 @@ inline Tensors tensors_of(const std::vector<Input>& inputs) {
   return out;
 }
 
+/// `acc` (undefined: none yet) plus the steps of `chunk` [k, ...], added one
+/// at a time; differentiable, with a cheap backward (time_chunks.cpp).
+at::Tensor step_sum(const at::Tensor& acc, const at::Tensor& chunk);
+
 /// The last stage's outputs of T time steps, as they arrive in step order:
-/// summed output by output (reduce), or kept per step for gather().
+/// summed output by output (reduce), or kept per step (per chunk for time
+/// chunks) for results().
 class TimeStepOutputs {
  public:
-  TimeStepOutputs(int64_t T, bool reduce)
-      : reduce_(reduce), steps_(reduce ? 1 : static_cast<size_t>(T)) {}
-  /// Chunk i's outputs, each [k_i, ...] (checked), added step by step: sums
-  /// in the order single steps make them, so every k gives the same result.
-  void add_chunk(const char* method, int64_t last_stage, const TimeChunks& chunks, int64_t i,
-                 const Tensors& out) {
-    const int64_t k = chunks.size(i), t0 = chunks.first(i);
+  TimeStepOutputs(int64_t T, bool reduce, TimeChunks chunks = {})
+      : reduce_(reduce),
+        chunks_(chunks),
+        steps_(reduce ? 1 : static_cast<size_t>(chunks.multi() ? chunks.count() : T)) {}
+  /// Chunk i's outputs, each [k_i, ...] (checked). Summed step by step, in
+  /// the order single steps make them, so every k gives the same result.
+  void add_chunk(const char* method, int64_t last_stage, int64_t i, Tensors out) {
+    const int64_t k = chunks_.size(i), t0 = chunks_.first(i);
     for (size_t o = 0; o < out.size(); ++o) {
       const at::Tensor& y = out[o];
       TORCH_CHECK(y.defined() && y.dim() >= 1 && y.size(0) == k, "mpipe::ModelPipeline::",
                   method, ": stage ", last_stage, " returned ",
                   y.defined() ? c10::str("shape ", y.sizes()) : std::string("an undefined tensor"),
                   out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
-                  " for time chunk ", i, " (time steps ", t0, " to ", t0 + k - 1, " of ", chunks.T,
+                  " for time chunk ", i, " (time steps ", t0, " to ", t0 + k - 1, " of ", chunks_.T,
                   "); a multi-step stage returns [k, N, ...] with k = ", k,
                   " steps along dim 0");
     }
-    for (int64_t t = 0; t < k; ++t) {
-      Tensors step;
-      for (const auto& y : out) step.push_back(y.select(0, t));
-      add(t0 + t, std::move(step));
+    if (!reduce_) {
+      steps_[static_cast<size_t>(i)] = std::move(out);
+      return;
     }
+    if (i > 0) {
+      TORCH_CHECK(out.size() == steps_[0].size(), "the stage returned ", out.size(),
+                  " tensors, but ", steps_[0].size(), " at time chunk 0");
+    } else {
+      steps_[0].resize(out.size());
+    }
+    for (size_t o = 0; o < out.size(); ++o) steps_[0][o] = step_sum(steps_[0][o], out[o]);
   }
   void add(int64_t t, Tensors out) {
     if (!reduce_) {
@@ -154,10 +167,15 @@ class TimeStepOutputs {
     }
   }
   bool reduced() const { return reduce_; }
+  /// The sums (reduce), or per step (per chunk) outputs.
   const std::vector<Tensors>& steps() const { return steps_; }
+  /// The call's outputs: the sums, or the steps stacked [T, N, ...] (`stack`)
+  /// or concatenated time-major [T*N, ...].
+  Tensors results(const char* method, int64_t last_stage, bool stack) const;
 
  private:
   bool reduce_;
+  TimeChunks chunks_;
   std::vector<Tensors> steps_;  // one entry (the sums) when reducing
 };
 
@@ -186,6 +204,21 @@ inline Tensors gather(const char* method, const char* item_name, int64_t last_st
     } else {
       out.push_back(parts.size() == 1 ? parts[0] : at::cat(parts, 0));
     }
+  }
+  return out;
+}
+
+inline Tensors TimeStepOutputs::results(const char* method, int64_t last_stage, bool stack) const {
+  if (reduce_) return steps_[0];
+  if (!chunks_.multi()) return gather(method, "time step", last_stage, steps_, stack, false);
+  // Chunks [k, N, ...] concatenated along dim 0 are the steps stacked.
+  Tensors out = gather(method, "time chunk", last_stage, steps_, false, false);
+  if (stack) return out;
+  for (size_t o = 0; o < out.size(); ++o) {
+    TORCH_CHECK(out[o].dim() >= 2, "mpipe::ModelPipeline::", method, ": stage ", last_stage,
+                " returned a 0-dim tensor per time step", out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
+                "; outputs are concatenated along dim 0, so each needs one (or use reduce = true)");
+    out[o] = out[o].flatten(0, 1);
   }
   return out;
 }
