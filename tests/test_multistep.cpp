@@ -4,7 +4,10 @@
 
 #include "common.h"
 
+#include <mpipe/autocast.h>
 #include <mpipe/snn.h>
+
+#include <cmath>
 
 using namespace mpipe_test;
 using mpipe::snn::IFNode;
@@ -338,16 +341,17 @@ using mpipe::snn::SeqToANN;
 struct TwinStages {
   std::vector<torch::nn::Linear> fc;
   std::vector<torch::nn::Sequential> single, multi;
-  explicit TwinStages(int64_t width = 8) {
+  explicit TwinStages(int64_t width = 8, torch::Dtype dtype = torch::kDouble) {
     torch::manual_seed(17);
     for (int s = 0; s < 3; ++s) {
       fc.emplace_back(torch::nn::Linear(width, width));
-      fc.back()->to(torch::kDouble);
+      fc.back()->to(dtype);
       const bool last = s == 2;
       auto neuron = [&](StepMode mode) -> torch::nn::AnyModule {
-        if (last) return torch::nn::AnyModule(IFNode(IFNodeOptions().step_mode(mode)));
+        // Low thresholds: every layer spikes, so every weight gets a gradient.
+        if (last) return torch::nn::AnyModule(IFNode(IFNodeOptions().v_threshold(0.5).step_mode(mode)));
         return torch::nn::AnyModule(
-            LIFNode(LIFNodeOptions().v_reset(std::nullopt).step_mode(mode)));
+            LIFNode(LIFNodeOptions().v_threshold(0.2).v_reset(std::nullopt).step_mode(mode)));
       };
       single.emplace_back(torch::nn::Sequential(fc.back()));
       single.back()->push_back(neuron(StepMode::Single));
@@ -399,6 +403,42 @@ TEST(TimeChunks, EveryChunkSizeEqualsSingleStepStages) {
                "ModelPipelineOptions::time_chunk");
 }
 
+TEST(TimeChunks, RunUnderBFloat16Autocast) {
+  TwinStages twin(8, torch::kFloat);
+  auto multi = twin.pipeline(true);
+  const int64_t T = 6;
+  auto x = torch::rand({5, 8}) * 2;
+  mpipe::AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
+  // The plain multi-step stages on all T steps, summed step by step.
+  for (auto stage : twin.multi) mpipe::reset_states(*stage);
+  torch::Tensor h = x.unsqueeze(0).expand({T, 5, 8});
+  for (auto stage : twin.multi) h = stage->forward(h);
+  for (auto stage : twin.multi) mpipe::reset_states(*stage);
+  torch::Tensor want = h[0];
+  for (int64_t t = 1; t < T; ++t) want = want + h[t];
+  EXPECT_EQ(want.scalar_type(), torch::kBFloat16) << "autocast reaches the Linear layers";
+  ASSERT_GT(want.sum().item<double>(), 0.0) << "the test should make spikes";
+  for (int64_t k : {int64_t{6}, int64_t{2}, int64_t{1}}) {
+    SCOPED_TRACE("time_chunk " + std::to_string(k));
+    const auto got = multi->constant_forward(x, T, true, k);
+    mpipe::reset_states(*multi);
+    EXPECT_EQ(got.scalar_type(), torch::kBFloat16);
+    expect_close(got, want, 0.0, "spike counts under bf16 autocast");
+  }
+  // A training step under autocast gives float gradients, and the first
+  // layer's reach it (the later layers' inputs may not spike here).
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.to(torch::kFloat).mean(); };
+  for (auto& fc : twin.fc) fc->zero_grad();
+  const auto loss = multi->constant_train_step(x, T, torch::Tensor(), loss_fn, 2);
+  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  for (auto& fc : twin.fc) {
+    ASSERT_TRUE(fc->weight.grad().defined());
+    EXPECT_EQ(fc->weight.grad().scalar_type(), torch::kFloat);
+    EXPECT_TRUE(torch::isfinite(fc->weight.grad()).all().item<bool>());
+  }
+  EXPECT_GT(twin.fc[0]->weight.grad().abs().sum().item<double>(), 0.0);
+}
+
 TEST(TimeChunks, ConstantTrainStepEqualsSingleStepStagesForEveryChunk) {
   TwinStages twin;
   const int64_t T = 7, N = 5;
@@ -420,6 +460,9 @@ TEST(TimeChunks, ConstantTrainStepEqualsSingleStepStagesForEveryChunk) {
   };
   const auto grads_ref = fc_grads();
   ASSERT_EQ(grads_ref.size(), 6u);
+  for (const auto& kv : grads_ref) {
+    EXPECT_GT(kv.second.abs().sum().item<double>(), 0.0) << "no gradient reached " << kv.first;
+  }
   const auto x_grad_ref = xs.grad().clone();
   ASSERT_GT(x_grad_ref.abs().sum().item<double>(), 0.0) << "gradients must reach the input";
   for (bool threads : {true, false}) {

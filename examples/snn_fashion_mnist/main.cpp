@@ -136,7 +136,8 @@ torch::Tensor augment(const torch::Tensor& x, int64_t pad) {
 torch::Tensor poisson_frames(const torch::Tensor& x, int64_t T) {
   std::vector<int64_t> shape{T};
   shape.insert(shape.end(), x.sizes().begin(), x.sizes().end());
-  return mpipe::snn::poisson_encode(x.unsqueeze(0).expand(shape));
+  // A dense copy per step: each frame gets its own draws.
+  return mpipe::snn::poisson_encode(x.unsqueeze(0).expand(shape).contiguous());
 }
 
 /// The spikes of the output layer summed over the T steps: the image held
