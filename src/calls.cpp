@@ -178,8 +178,7 @@ Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors
   spec.method = method;
   spec.item_name = chunks.multi() ? "time chunk" : "time step";
   spec.n_items = chunks.count();
-  spec.time_chunk = chunk;
-  spec.time_steps = T;
+  spec.time_chunks = chunks;
   spec.remote = remote;
   spec.programs = schedules::forward_only(spec.n_items, n_stages);
   std::vector<Input> inputs;
@@ -263,8 +262,7 @@ Tensors ModelPipelineImpl::State::sequence_items(const std::vector<Input>& in, i
   spec.method = "sequence_forward";
   spec.item_name = chunks.multi() ? "time chunk" : "time step";
   spec.n_items = chunks.count();
-  spec.time_chunk = chunk;
-  spec.time_steps = T;
+  spec.time_chunks = chunks;
   spec.remote = remote;
   spec.programs = schedules::forward_only(spec.n_items, n_stages);
   spec.source = [&](int64_t i) {

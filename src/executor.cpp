@@ -514,13 +514,7 @@ std::exception_ptr Executor::describe_failure(const CallSpec& call, const char* 
   try {
     TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", j, " (on ",
                 place(j).device, rank_, ") failed at ", phase, " ", i, " of ",
-                call.n_items,
-                call.time_chunk > 0
-                    ? c10::str(" (time steps ", i * call.time_chunk, " to ",
-                               std::min((i + 1) * call.time_chunk, call.time_steps) - 1, " of ",
-                               call.time_steps, ")")
-                    : std::string(),
-                ": ", what);
+                call.n_items, call.time_chunks.steps_of(i), ": ", what);
   } catch (...) {
     return std::current_exception();
   }

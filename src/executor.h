@@ -9,6 +9,7 @@
 
 #include "rng.h"
 #include "state_snapshot.h"
+#include "time_chunks.h"
 #include "transport.h"
 
 #include <ATen/core/Tensor.h>
@@ -61,10 +62,8 @@ struct CallSpec {
   const char* method = "";     // for messages: "forward", "train_step", ...
   const char* item_name = "";  // "micro-batch", "time step"
   int64_t n_items = 0;
-  /// Time chunks (Note [Time chunks]): steps per item (0: single steps) and
-  /// the call's T, for messages.
-  int64_t time_chunk = 0;
-  int64_t time_steps = 0;
+  /// Time chunks (Note [Time chunks]): how items map to time steps, for messages.
+  TimeChunks time_chunks;
   /// One per worker ("rank"); each operation names its stage. Forwards only
   /// unless `training`.
   std::vector<schedules::Program> programs;

@@ -3,7 +3,7 @@
 // says where everything is).
 
 #include "pipeline_state.h"
-#include "scatter.h"
+#include "time_chunks.h"
 
 #include "device_probe.h"
 

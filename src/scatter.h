@@ -3,6 +3,8 @@
 // Private: a call's inputs split into micro-batches or time steps, and the
 // last stage's outputs gathered back.
 
+#include "time_chunks.h"
+
 #include "mpipe/tensors.h"
 
 #include <ATen/Functions.h>
@@ -68,20 +70,6 @@ inline Tensors time_step(const std::vector<Input>& inputs, int64_t t) {
   return out;
 }
 
-/// A call's time chunk chosen by the pipeline (ModelPipelineOptions::time_chunk 0).
-constexpr int64_t kAutoChunk = -1;
-
-/// Time chunks (Note [Time chunks] in calls.cpp): T steps as items of k
-/// steps each (the last may be shorter); k = 0 means single-step items.
-struct TimeChunks {
-  int64_t T = 0;
-  int64_t k = 0;
-  bool multi() const { return k > 0; }
-  int64_t count() const { return multi() ? (T + k - 1) / k : T; }
-  int64_t first(int64_t i) const { return multi() ? i * k : i; }
-  int64_t size(int64_t i) const { return multi() ? std::min(k, T - i * k) : 1; }
-};
-
 /// Chunk i of constant_forward's inputs: each batched input repeated as
 /// [k_i, N, ...] (a broadcast view); unbatched inputs whole.
 inline Tensors repeated_chunk(const std::vector<Input>& inputs, const TimeChunks& chunks,
@@ -139,8 +127,8 @@ class TimeStepOutputs {
                   method, ": stage ", last_stage, " returned ",
                   y.defined() ? c10::str("shape ", y.sizes()) : std::string("an undefined tensor"),
                   out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
-                  " for time chunk ", i, " (time steps ", t0, " to ", t0 + k - 1, " of ", chunks_.T,
-                  "); a multi-step stage returns [k, N, ...] with k = ", k,
+                  " for time chunk ", i, chunks_.steps_of(i),
+                  "; a multi-step stage returns [k, N, ...] with k = ", k,
                   " steps along dim 0");
     }
     if (!reduce_) {

@@ -45,13 +45,6 @@ at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out, const a
               "the loss function failed: ", what);
 }
 
-/// "time step t of T", or "time chunk i of n (time steps a to b of T)".
-std::string describe_item(const detail::TimeChunks& chunks, int64_t i) {
-  if (!chunks.multi()) return c10::str("time step ", i, " of ", chunks.T);
-  return c10::str("time chunk ", i, " of ", chunks.count(), " (time steps ", chunks.first(i),
-                  " to ", chunks.first(i) + chunks.size(i) - 1, " of ", chunks.T, ")");
-}
-
 void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
   const bool interleaved =
@@ -476,7 +469,7 @@ at::Tensor ModelPipelineImpl::State::constant_train_step(const std::vector<Input
         const auto position = positions.last();
         TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
                     position.first, " (on ", devices[static_cast<size_t>(position.first)],
-                    ") failed at backward of ", describe_item(chunks, position.second), ": ",
+                    ") failed at backward of ", chunks.describe(position.second), ": ",
                     failure);
         TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
                     "before reaching a stage (in the loss's backward): ", failure);
@@ -635,7 +628,7 @@ at::Tensor ModelPipelineImpl::State::constant_step_across(detail::RemoteCall& ca
       const auto position = positions.last();
       where = position.first >= 0
                   ? c10::str("stage ", position.first, " (rank ", call.group().rank(),
-                             ") failed at backward of ", describe_item(chunks, position.second),
+                             ") failed at backward of ", chunks.describe(position.second),
                              ": ")
                   : std::string("the backward pass failed: ");
     } else {
