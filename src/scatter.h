@@ -120,7 +120,7 @@ class TimeStepOutputs {
   /// Chunk i's outputs, each [k_i, ...] (checked). Summed step by step, in
   /// the order single steps make them, so every k gives the same result.
   void add_chunk(const char* method, int64_t last_stage, int64_t i, Tensors out) {
-    const int64_t k = chunks_.size(i), t0 = chunks_.first(i);
+    const int64_t k = chunks_.size(i);
     for (size_t o = 0; o < out.size(); ++o) {
       const at::Tensor& y = out[o];
       TORCH_CHECK(y.defined() && y.dim() >= 1 && y.size(0) == k, "mpipe::ModelPipeline::",
