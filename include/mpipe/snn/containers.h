@@ -87,7 +87,9 @@ class MultiStepImpl : public torch::nn::Module {
   explicit MultiStepImpl(Ms&&... layers)
       : MultiStepImpl(torch::nn::Sequential(std::forward<Ms>(layers)...)) {}
 
-  /// x [T, N, ...] -> the layers on x[t] for t = 0..T-1, stacked.
+  /// x [T, N, ...] -> the layers on x[t] for t = 0..T-1, stacked. With
+  /// T = 0 the layers never run, and x itself comes back (there is no output
+  /// shape to give).
   at::Tensor forward(const at::Tensor& x) {
     detail::check_sequence("MultiStep", x);
     std::vector<at::Tensor> out;
