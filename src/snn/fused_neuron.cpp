@@ -77,14 +77,19 @@ int kernel_dtype(at::ScalarType t) {
 }
 #endif
 
+std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const at::Tensor& v_in,
+                                      const NeuronSpec& spec);
+std::vector<at::Tensor> steps_backward(const at::Tensor& gs_in, const at::Tensor& gv_in,
+                                       const at::Tensor& h, const NeuronSpec& spec);
+
 /// (spike, v_next, h).
 std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at::Tensor& v_in,
                                      const NeuronSpec& spec) {
   const at::Tensor x = x_in.contiguous(), v = v_in.contiguous();
-  at::Tensor spike = at::empty_like(x), v_next = at::empty_like(x), h = at::empty_like(x);
-  const int64_t n = x.numel();
 #ifdef MPIPE_CUDA_KERNELS
   if (x.is_cuda()) {
+    at::Tensor spike = at::empty_like(x), v_next = at::empty_like(x), h = at::empty_like(x);
+    const int64_t n = x.numel();
     c10::cuda::CUDAGuard guard(x.device());
     const char* err = launch_neuron_forward(
         kernel_dtype(x.scalar_type()), x.data_ptr(), v.data_ptr(), spike.data_ptr(),
@@ -94,25 +99,9 @@ std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at::Tensor& v
     return {spike, v_next, h};
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpipe_neuron_fwd", [&] {
-    using A = at::opmath_type<scalar_t>;
-    const NeuronConsts<A> c(spec);
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    const scalar_t* pv = v.data_ptr<scalar_t>();
-    scalar_t* ps = spike.data_ptr<scalar_t>();
-    scalar_t* pn = v_next.data_ptr<scalar_t>();
-    scalar_t* ph = h.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        ph[i] = static_cast<scalar_t>(neuron_charge<A>(c, static_cast<A>(px[i]), static_cast<A>(pv[i])));
-        A s, vn;
-        neuron_fire<A>(c, static_cast<A>(ph[i]), s, vn);  // from h as stored
-        ps[i] = static_cast<scalar_t>(s);
-        pn[i] = static_cast<scalar_t>(vn);
-      }
-    });
-  });
-  return {spike, v_next, h};
+  // On the CPU a step is the multi-step loop with T = 1: the same arithmetic.
+  std::vector<at::Tensor> out = steps_forward(x.unsqueeze(0), v, spec);
+  return {out[0].squeeze(0), out[1], out[2].squeeze(0)};
 }
 
 /// (grad_x, grad_v_prev); an undefined output gradient counts as zero.
@@ -120,10 +109,10 @@ std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor&
                                       const at::Tensor& h, const NeuronSpec& spec) {
   const at::Tensor gs = gs_in.defined() ? gs_in.contiguous() : gs_in;
   const at::Tensor gv = gv_in.defined() ? gv_in.contiguous() : gv_in;
-  at::Tensor gx = at::empty_like(h), gvp = at::empty_like(h);
-  const int64_t n = h.numel();
 #ifdef MPIPE_CUDA_KERNELS
   if (h.is_cuda()) {
+    at::Tensor gx = at::empty_like(h), gvp = at::empty_like(h);
+    const int64_t n = h.numel();
     c10::cuda::CUDAGuard guard(h.device());
     const char* err = launch_neuron_backward(
         kernel_dtype(h.scalar_type()), gs.defined() ? gs.data_ptr() : nullptr,
@@ -134,25 +123,9 @@ std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const at::Tensor&
     return {gx, gvp};
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "mpipe_neuron_bwd", [&] {
-    using A = at::opmath_type<scalar_t>;
-    const NeuronConsts<A> c(spec);
-    const scalar_t* pgs = gs.defined() ? gs.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* pgv = gv.defined() ? gv.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* ph = h.data_ptr<scalar_t>();
-    scalar_t* pgx = gx.data_ptr<scalar_t>();
-    scalar_t* pgvp = gvp.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        A a, b;
-        neuron_backward<A>(c, pgs ? static_cast<A>(pgs[i]) : A(0),
-                           pgv ? static_cast<A>(pgv[i]) : A(0), static_cast<A>(ph[i]), a, b);
-        pgx[i] = static_cast<scalar_t>(a);
-        pgvp[i] = static_cast<scalar_t>(b);
-      }
-    });
-  });
-  return {gx, gvp};
+  std::vector<at::Tensor> g =
+      steps_backward(gs.defined() ? gs.unsqueeze(0) : gs, gv, h.unsqueeze(0), spec);
+  return {g[0].squeeze(0), g[1]};
 }
 
 // Note [Multi-step neurons]
