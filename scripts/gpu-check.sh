@@ -12,7 +12,10 @@
 # profile = one profiled call per measurement of mpipe_bench --only
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
-# training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS). Logs go to
+# training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
+# headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
+# build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER), the four consumer tests,
+# and scripts/compile-time.sh (compile-time.txt). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
 # (few files, since a device call brings back at most 8), plus the benchmark's
 # JSON and compare.md. Header-only extras that machine lacks (CLI11, zlib's
@@ -59,6 +62,18 @@ fi
 if [[ " $steps " == *" gtest "* ]]; then
   step gtest bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='${MPIPE_GTEST_FILTER:-*_CUDA}' 2>&1 \
     | tee -a '$log'"
+fi
+if [[ " $steps " == *" headeronly "* ]]; then
+  ho=${bin}-ho
+  step headeronly-build bash -o pipefail -c "cmake -S . -B '$ho' -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    '-DCMAKE_PREFIX_PATH=$prefix;$PWD/.devdata' ${extra[*]:-} -DMPIPE_TESTS_HEADER_ONLY=ON \
+    -DMPIPE_BUILD_EXAMPLES=OFF -DMPIPE_BUILD_BENCH=OFF > '$out/build-ho.log' 2>&1 \
+    && cmake --build '$ho' --target mpipe_tests >> '$out/build-ho.log' 2>&1"
+  step headeronly-gtest bash -o pipefail -c "'$ho/tests/mpipe_tests' --gtest_filter='${MPIPE_GTEST_FILTER:-*}' 2>&1 \
+    | tee -a '$log' | tail -n 5"
+  step consumers bash -o pipefail -c "cd '$bin' && ctest --output-on-failure -R '^consumer\.' 2>&1 | tee -a '$log'"
+  step compile-time bash -o pipefail -c "bash scripts/compile-time.sh '-DCMAKE_PREFIX_PATH=$prefix;$PWD/.devdata' \
+    ${extra[*]:-} 2>&1 | tee '$out/compile-time.txt' | tee -a '$log'"
 fi
 if [[ " $steps " == *" profile "* ]]; then
   rm -rf /tmp/mpipe-profile

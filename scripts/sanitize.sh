@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CPU test suite with sanitizers and runs it through ctest:
-#   asan  AddressSanitizer + UndefinedBehaviorSanitizer (into build-asan)
+#   asan  AddressSanitizer + UndefinedBehaviorSanitizer (into build-asan), with
+#         the tests built header-only (mpipe::mpipe_header_only): CI's two
+#         passes run every test in both modes
 #   tsan  ThreadSanitizer, for the threaded runtime (into build-tsan)
 # Usage: bash scripts/sanitize.sh [asan] [tsan]      (both when none is named)
 # Any report fails the run. LibTorch itself is not instrumented; the few
@@ -17,8 +19,10 @@ supp="$PWD/scripts/sanitizers"
 
 for mode in "${modes[@]}"; do
   case "$mode" in
-    asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" ;;
-    tsan) flags="-fsanitize=thread" ;;
+    asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=ON) ;;
+    tsan) flags="-fsanitize=thread"
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=OFF) ;;
     *) echo "sanitize.sh: unknown mode '$mode' (asan or tsan)" >&2; exit 2 ;;
   esac
   build="build-$mode"
@@ -26,7 +30,7 @@ for mode in "${modes[@]}"; do
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
     -DMPIPE_BUILD_EXAMPLES=OFF -DMPIPE_BUILD_BENCH=OFF \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
-    -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+    -DCMAKE_SHARED_LINKER_FLAGS="$flags" "${mode_args[@]}"
   # The tests and what ctest runs besides them (mpipe-launch, when CLI11 is there).
   targets=(mpipe_tests)
   for t in mpipe-launch mpipe_dist_tests; do

@@ -668,7 +668,7 @@ TEST(FaultInjection, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
 // ---------------------------------------------------------------------------
 // Lifetime: a program that builds pipelines again and again (a search over
 // splits, a server) must not lose threads or memory with each one (Note
-// [Shared streams and workers] in src/executor.cpp).
+// [Shared streams and workers] in mpipe/detail/executor-inl.h).
 
 namespace {
 

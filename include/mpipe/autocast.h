@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 1
+#endif
+
 // Mixed precision for a scope, as Python's `with torch.autocast(...)`
 // (LibTorch has the thread-local state but no guard for it):
 //
@@ -38,3 +43,8 @@ class AutocastGuard {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 1
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

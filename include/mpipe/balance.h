@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 2
+#endif
+
 // Balancing: split a list of layers into contiguous stages. partition() is
 // exact (a dynamic programme over prefix sums), unlike the greedy heuristic
 // of the best-known Python library; from_sequential() builds the pipeline.
@@ -73,3 +78,8 @@ ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<De
 
 }  // namespace balance
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 2
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 3
+#endif
+
 // Note [Deferred BatchNorm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // Splitting a batch into micro-batches changes what BatchNorm sees: each
@@ -68,3 +73,8 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
 TORCH_MODULE(DeferredBatchNorm);
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 3
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 4
+#endif
+
 // Activation checkpointing: which micro-batches a training step recomputes in
 // backward instead of keeping their activations, and how a module can tell
 // that it is being recomputed (e.g. to not count batch statistics twice).
@@ -40,3 +45,8 @@ class RecomputeGuard {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 4
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 5
+#endif
+
 // Where a stage runs: the accepted spellings of a device and their checks.
 
 #include <c10/core/Device.h>
@@ -49,3 +54,8 @@ c10::Device resolve_device(const DeviceArg& arg);
 int64_t cuda_device_count();
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 5
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

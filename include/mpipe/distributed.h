@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 6
+#endif
+
 // Pipelines across processes and machines, on c10d (PyTorch's distributed
 // backend): the process group a ModelPipeline spans.
 //
@@ -111,3 +116,8 @@ ProcessGroup init(int64_t rank, int64_t world_size, const std::string& master_ad
 
 }  // namespace distributed
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 6
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

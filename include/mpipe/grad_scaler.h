@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 7
+#endif
+
 // Loss scaling for fp16 training, as PyTorch's torch.amp.GradScaler (which
 // LibTorch lacks):
 //
@@ -200,3 +205,8 @@ class GradScaler {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 7
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

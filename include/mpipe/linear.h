@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 8
+#endif
+
 // mpipe::Linear: torch::nn::Linear whose weight autocast casts once per scope.
 //
 //   torch::nn::Sequential stage(mpipe::Linear(4096, 4096), torch::nn::ReLU());
@@ -19,7 +24,7 @@
 // instead of a separate addition (rounding may differ in the last bit).
 // In a pipeline's train_step under autocast it also sums its weight's
 // gradients over the micro-batches before converting them (Note [Cast
-// gradients per step] in src/cast_grads.cpp).
+// gradients per step] in mpipe/detail/cast_grads-inl.h).
 
 #include <ATen/ATen.h>
 #include <torch/nn/cloneable.h>
@@ -85,3 +90,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 TORCH_MODULE(Linear);
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 8
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

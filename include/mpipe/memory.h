@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 9
+#endif
+
 // A per-device memory summary of a pipeline (ModelPipelineImpl::memory_report).
 
 #include <c10/core/Device.h>
@@ -37,3 +42,8 @@ struct MemoryReport {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 9
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,9 +1,14 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 10
+#endif
+
 // mpipe::ModelPipeline: a model split into stages, each on its own device and
 // stream, with micro-batches (forward) or time steps (constant_forward)
 // streamed through them. Design: docs/design.md and Note [One runtime] in
-// src/executor.h.
+// mpipe/detail/executor.h.
 
 #include <mpipe/device.h>
 #include <mpipe/memory.h>
@@ -260,7 +265,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
 
-  /// Everything else a pipeline holds (src/pipeline_state.h): the stages'
+  /// Everything else a pipeline holds (mpipe/detail/pipeline_state.h): the stages'
   /// executor, the graph cache, the call lock, the last call's timeline and
   /// memory figures; the call kinds are written on it.
   struct State;
@@ -271,3 +276,8 @@ class ModelPipelineImpl : public torch::nn::Module {
 TORCH_MODULE(ModelPipeline);
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 10
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

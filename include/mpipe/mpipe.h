@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 11
+#endif
+
 // Everything mpipe offers, in one include.
 
 #include <mpipe/autocast.h>
@@ -19,3 +24,8 @@
 #include <mpipe/timeline.h>
 #include <mpipe/training.h>
 #include <mpipe/version.h>
+
+#if MPIPE_DETAIL_OUTER == 11
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 12
+#endif
+
 // Options of mpipe::ModelPipeline, in the style of torch::nn's options structs.
 
 #include <mpipe/checkpoint.h>
@@ -81,3 +86,8 @@ struct ModelPipelineOptions {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 12
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

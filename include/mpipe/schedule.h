@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 13
+#endif
+
 // Pure schedule functions: which stage runs which item (micro-batch or time
 // step) at each clock tick. They hold no tensors and no threads, so they are
 // tested exactly; the runtime follows them (docs/design.md, "One runtime").
@@ -523,3 +528,8 @@ inline int64_t peak_in_flight(const Program& program) {
 
 }  // namespace schedules
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 13
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

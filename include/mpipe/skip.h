@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 14
+#endif
+
 // Skip connections across stages, as torchgpipe's stash/pop: a stage stashes a
 // named tensor and a later stage pops it. The pipeline moves it from the
 // stasher's device straight to the popper's, not through the stages between,
@@ -42,3 +47,8 @@ at::Tensor pop(const std::string& name);
 void clear_stashed();
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 14
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 15
+#endif
+
 // mpipe's spiking-neural-network toolkit: neurons (single- and multi-step),
 // multi-step containers, the spiking conv block, surrogate gradients,
 // encoders and rate decoding. State handling: mpipe/state.h.
@@ -12,3 +17,8 @@
 #include <mpipe/snn/step_mode.h>
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>
+
+#if MPIPE_DETAIL_OUTER == 15
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 16
+#endif
+
 // State that lives across calls (membrane potentials, recurrent state): the
 // interface the model-wide reset looks for, and per-micro-batch storage.
 //
@@ -131,3 +136,8 @@ class Stateful {
 int64_t reset_states(torch::nn::Module& module);
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 16
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 17
+#endif
+
 // Stages with several tensors: what a stage takes and returns, and how a
 // call's inputs are split into micro-batches.
 
@@ -40,3 +45,8 @@ using StageForward = std::function<Tensors(const Tensors&)>;
 }  // namespace detail
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 17
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 18
+#endif
+
 // What a pipeline did, task by task: recorded when
 // ModelPipelineOptions::record_timeline is on, read with
 // ModelPipelineImpl::timeline(), exported as a Chrome trace (Perfetto,
@@ -75,3 +80,8 @@ struct Timeline {
 };
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 18
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 19
+#endif
+
 // Options of ModelPipelineImpl::train_step: the schedule, the loss and how it
 // is reduced over the batch; and the automatic choice of schedule.
 
@@ -204,3 +209,8 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
 }
 
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 19
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -2,7 +2,7 @@
 // kernel per time step forward, one backward, for every element type LibTorch
 // uses for floating point. Half and bfloat16 compute in float.
 
-#include "fused_neuron_kernels.h"
+#include "mpipe/detail/snn/fused_neuron_kernels.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 20
+#endif
+
 // Containers that let layers take multi-step input [T, N, ...] (StepMode::
 // Multi; SpikingJelly's SeqToANNContainer and MultiStepContainer):
 //   SeqToANN   runs stateless layers once on all T steps, as [T*N, ...]: one
@@ -109,3 +114,8 @@ TORCH_MODULE(MultiStep);
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 20
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 21
+#endif
+
 // SpikingConvBlock: the conv -> BatchNorm -> neuron (-> max-pool) block of
 // SpikingJelly's convolutional SNN examples, in either step mode.
 
@@ -121,3 +126,8 @@ TORCH_MODULE(SpikingConvBlock);
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 21
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 22
+#endif
+
 // Encoding inputs as spikes and decoding spikes as rates (functions only:
 // this header does not pull torch::nn).
 
@@ -35,3 +40,8 @@ at::Tensor rate_mse_loss(const at::Tensor& rate, const at::Tensor& labels);
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 22
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

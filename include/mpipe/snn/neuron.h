@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 23
+#endif
+
 // Spiking neurons in SpikingJelly's conventions. Each step:
 //   charge  IF:  v = v + x
 //           LIF: v = v + (x - (v - v_reset)) / tau    (decay_input, default)
@@ -41,7 +46,7 @@ namespace mpipe {
 namespace snn {
 
 namespace detail {
-struct NeuronSpec;  // src/snn/neuron_math.h
+struct NeuronSpec;  // mpipe/detail/snn/neuron_math.h
 }  // namespace detail
 
 struct IFNodeOptions {
@@ -158,8 +163,9 @@ class LIFNodeImpl : public NeuronBase {
 };
 TORCH_MODULE(LIFNode);
 
-/// Whether this build holds the fused neuron CUDA kernels (built when CMake
-/// found nvcc, option MPIPE_CUDA_KERNELS). Without them fused neurons run
+/// Whether this build holds the fused neuron CUDA kernels (built into
+/// mpipe::mpipe when CMake found nvcc, option MPIPE_CUDA_KERNELS; never in
+/// header-only mode, mpipe::mpipe_header_only). Without them fused neurons run
 /// their ATen path on the GPU: the same results, more kernel launches.
 bool fused_cuda_kernels_built() noexcept;
 
@@ -169,3 +175,8 @@ int64_t fused_cuda_kernel_launches() noexcept;
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 23
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

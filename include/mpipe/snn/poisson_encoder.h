@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 24
+#endif
+
 // snn::PoissonEncoder: poisson_encode (mpipe/snn/encoding.h) as a module.
 
 #include <mpipe/snn/encoding.h>
@@ -20,3 +25,8 @@ TORCH_MODULE(PoissonEncoder);
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 24
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

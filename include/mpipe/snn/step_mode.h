@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 25
+#endif
+
 // How an SNN layer takes time: one step per call, or a [T, N, ...] sequence
 // per call (SpikingJelly's step_mode 's' and 'm').
 
@@ -35,3 +40,8 @@ int64_t set_step_mode(torch::nn::Module& module, StepMode mode);
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 25
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

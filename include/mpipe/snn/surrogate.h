@@ -1,5 +1,10 @@
 #pragma once
 
+// The outermost mpipe header of a file (Note [Header-only mode]).
+#ifndef MPIPE_DETAIL_OUTER
+#define MPIPE_DETAIL_OUTER 26
+#endif
+
 // Surrogate gradients: the forward pass fires a spike (Heaviside step of
 // x = v - v_threshold), the backward pass uses the derivative of a smooth
 // function instead of the step's zero-almost-everywhere derivative.
@@ -43,3 +48,8 @@ class Surrogate {
 
 }  // namespace snn
 }  // namespace mpipe
+
+#if MPIPE_DETAIL_OUTER == 26
+#undef MPIPE_DETAIL_OUTER
+#include "mpipe/detail/header_only.h"
+#endif

@@ -1,11 +1,21 @@
 // A user's program: builds a two-stage pipeline and checks it against the
 // plain model. Built by the consumer tests through find_package and through
-// add_subdirectory.
+// add_subdirectory, against mpipe::mpipe and against mpipe::mpipe_header_only.
+// Two files include mpipe (this one and second.cpp), so that header-only mode
+// must define everything once (inline) or fail to link.
 #include <mpipe/mpipe.h>
 
 #include <torch/nn/modules/linear.h>
 
+#include <cstring>
 #include <iostream>
+#include <string>
+
+#ifdef MPIPE_HEADER_ONLY
+#include <link.h>
+#endif
+
+std::string second_file_report();  // second.cpp
 
 int main() {
   auto a = torch::nn::Linear(4, 3), b = torch::nn::Linear(3, 2);
@@ -14,5 +24,23 @@ int main() {
   auto x = torch::randn({6, 4});
   auto diff = (pipe->forward(x, 4) - b(a(x))).abs().max().item<double>();
   std::cout << "mpipe " << MPIPE_VERSION_STRING << " consumer: max diff " << diff << "\n";
-  return diff < 1e-6 ? 0 : 1;
+  std::cout << second_file_report() << "\n";
+#ifdef MPIPE_HEADER_ONLY
+  // Header-only: the program must not load libmpipe.
+  bool loaded = false;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* flag) {
+        if (info->dlpi_name && std::strstr(info->dlpi_name, "libmpipe")) *static_cast<bool*>(flag) = true;
+        return 0;
+      },
+      &loaded);
+  std::cout << "header-only; libmpipe loaded: " << (loaded ? "yes" : "no") << "\n";
+  if (loaded) return 1;
+  const char* mode = "header-only";
+#else
+  const char* mode = "compiled";
+#endif
+  if (!(diff < 1e-6)) return 1;
+  std::cout << "consumer: OK (" << mode << ")\n";
+  return 0;
 }

@@ -34,7 +34,7 @@ class BackwardPositions;  // backward_positions.h
 // Every call compiles to a CallSpec: a program per worker (schedule.h) of
 // actions F(i, s) (forward of item i on stage s), B(i, s) (its backward) or,
 // for zero-bubble schedules, I(i, s) and W(i, s) (the backward's input and
-// weight halves, Note [Split backward] in split_backward.cpp), where items
+// weight halves, Note [Split backward] in split_backward-inl.h), where items
 // are micro-batches or time steps. Forward-type calls (forward,
 // constant_forward, sequence_forward, and constant_train_step's forward) are
 // programs of forwards only (schedules::forward_only) over one autograd graph;

@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: what the timeline and the memory report read from devices. CUDA
-// builds implement it in device_probe_cuda.cpp; CPU-only builds get the
+// builds implement it in device_probe_cuda-inl.h; CPU-only builds get the
 // answers "no device timing" and "no allocator counters".
 
 #include <c10/core/Device.h>

@@ -28,7 +28,7 @@ inline c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
-/// record_stream: `t`'s memory is in use on `stream` (Note [Hand-offs] in transport.cpp).
+/// record_stream: `t`'s memory is in use on `stream` (Note [Hand-offs] in transport-inl.h).
 inline void record_on(const at::Tensor& t, const c10::Stream& stream) {
   if (!t.defined() || !t.has_storage() || t.device().is_cpu()) return;
   c10::impl::VirtualGuardImpl(t.device().type()).recordDataPtrOnStream(t.storage().data_ptr(),

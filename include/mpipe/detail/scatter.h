@@ -105,7 +105,7 @@ inline Tensors tensors_of(const std::vector<Input>& inputs) {
 }
 
 /// `acc` (undefined: none yet) plus the steps of `chunk` [k, ...], added one
-/// at a time; differentiable, with a cheap backward (time_chunks.cpp).
+/// at a time; differentiable, with a cheap backward (time_chunks-inl.h).
 at::Tensor step_sum(const at::Tensor& acc, const at::Tensor& chunk);
 
 /// The last stage's outputs of T time steps, as they arrive in step order:

@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: a pipeline call that spans processes (Note [Cross-process calls]
-// in remote.cpp): the call's agreement, its transport, its end.
+// in remote-inl.h): the call's agreement, its transport, its end.
 
 #include "link.h"
 #include "transport.h"

@@ -2,11 +2,11 @@
 
 // Private: what a ModelPipelineImpl holds besides its options, and the call
 // kinds written on it. Where things are:
-//   model_pipeline.cpp  the facade: append, devices, to/load, reports
-//   calls.cpp           forward, constant_forward, sequence_forward; the call
+//   model_pipeline-inl.h  the facade: append, devices, to/load, reports
+//   calls-inl.h           forward, constant_forward, sequence_forward; the call
 //                       prologue (lock, memory watch, rollback) and the
 //                       choice between a CUDA graph and the executor
-//   train_steps.cpp     train_step, constant_train_step
+//   train_steps-inl.h     train_step, constant_train_step
 //   scatter.h           inputs split into micro-batches or time steps, and
 //                       outputs gathered
 //   executor.h          the one executor of per-stage programs
@@ -60,7 +60,7 @@ struct ModelPipelineImpl::State {
   std::string memory_call;
   std::vector<MemoryCounters> memory_counters;  // per CUDA stage device, last call
 
-  // calls.cpp ---------------------------------------------------------------
+  // calls-inl.h ---------------------------------------------------------------
   /// The call prologue every call kind shares: the call lock, the memory
   /// watch and the rollback of stateful modules on failure (Note [State
   /// snapshots]). Runs `body` inside it.
@@ -115,7 +115,7 @@ struct ModelPipelineImpl::State {
   Tensors sequence_items(const std::vector<Input>& in, int64_t T, bool reduce, int64_t chunk,
                          bool threaded, detail::RemoteCall* remote);
 
-  // train_steps.cpp ---------------------------------------------------------
+  // train_steps-inl.h ---------------------------------------------------------
   at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step,
                         bool graphable_call);
@@ -138,7 +138,7 @@ struct ModelPipelineImpl::State {
                                                      bool)>& eager);
   void check_checkpointable(const char* method) const;
   /// constant_train_step across processes (Note [constant_train_step across
-  /// processes] in train_steps.cpp).
+  /// processes] in train_steps-inl.h).
   at::Tensor constant_step_across(detail::RemoteCall& call, const std::vector<Input>& inputs,
                                   int64_t T, const at::Tensor& target,
                                   const LossFunction& loss_fn, int64_t chunk);

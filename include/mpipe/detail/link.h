@@ -1,8 +1,8 @@
 #pragma once
 
 // Private: one pipeline call's messages to and from the other ranks of its
-// pipeline (Note [Cross-process calls] in remote.cpp). The only part of mpipe
-// that includes c10d is distributed.cpp, which implements this interface.
+// pipeline (Note [Cross-process calls] in remote-inl.h). The only part of mpipe
+// that includes c10d is distributed-inl.h, which implements this interface.
 
 #include "transport.h"
 

@@ -59,7 +59,7 @@ struct Aborted {};
 // receive()s it, usable on its own stream. Stage -1 is the caller: the call's
 // inputs enter through accept(). A transport decides how values travel and how
 // the consumer is ordered after the producer; schedules and the executor do
-// not know. LocalTransport is the in-process one (Note [Hand-offs] in transport.cpp); a
+// not know. LocalTransport is the in-process one (Note [Hand-offs] in transport-inl.h); a
 // transport between processes (c10d) implements the same three calls.
 class Transport {
  public:

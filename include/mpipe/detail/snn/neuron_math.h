@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: one neuron time step, element by element, for the fused kernels
-// (Note [Fused neurons] in fused_neuron.cpp). Plain C++ with no LibTorch
+// (Note [Fused neurons] in fused_neuron-inl.h). Plain C++ with no LibTorch
 // includes, so that the CUDA file compiles with nvcc alone; the CPU loop and
 // the CUDA kernel share these functions, so CI checks the arithmetic that the
 // GPU runs.
@@ -61,7 +61,7 @@ MPIPE_HD inline float neuron_exp(float x) { return expf(x); }
 MPIPE_HD inline double neuron_exp(double x) { return exp(x); }
 
 /// Charge: the same operations, in the same order, as the ATen path in
-/// neuron.cpp, so that float results agree to rounding. Callers round h to
+/// neuron-inl.h, so that float results agree to rounding. Callers round h to
 /// the stored type before neuron_fire, as the ATen path stores it, so that
 /// forward and backward (which reads the stored h) see the same spike.
 template <typename A>

@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: what a distributed::ProcessGroup holds. The c10d objects are in
-// Comm, defined by distributed.cpp (the one file that includes c10d).
+// Comm, defined by distributed-inl.h (the one file that includes c10d).
 
 #include "mpipe/distributed.h"
 
@@ -53,7 +53,7 @@ struct ProcessGroup::Impl {
 }  // namespace distributed
 
 namespace detail {
-/// Every rank of the world waits for the others (distributed.cpp).
+/// Every rank of the world waits for the others (distributed-inl.h).
 void barrier(const distributed::ProcessGroup& group);
 /// Whether `flag` is true on any rank of the world (every rank calls it).
 bool any_rank(const distributed::ProcessGroup& group, bool flag);

@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: a call's T time steps as items of k steps each (Note [Time chunks]
-// in calls.cpp).
+// in calls-inl.h).
 
 #include <c10/util/StringUtil.h>
 

@@ -1,0 +1,564 @@
+#pragma once
+
+#include "mpipe/detail/config.h"
+
+// The one file that includes c10d: the rendezvous, the process groups, and
+// the link a call's messages travel on (Note [Cross-process calls] in
+// remote-inl.h says what travels when).
+
+#include "errors.h"
+#include "group.h"
+#include "link.h"
+#include "streams.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace mpipe {
+namespace detail {
+
+struct Comm {
+  c10::intrusive_ptr<c10d::Store> store;
+  /// The world, for the pipeline's messages (point to point) and barriers.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> world;
+  /// The replicas of this rank's pipeline position (data parallelism); null
+  /// with one replica.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> replicas;
+#ifdef USE_C10D_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> replicas_nccl;  // CUDA gradients, NCCL backend
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> world_nccl;     // CUDA activations and gradients
+#endif
+};
+
+namespace distributed_impl {
+
+using distributed::Backend;
+using distributed::ProcessGroup;
+using Impl = ProcessGroup::Impl;
+
+constexpr int64_t kMagic = 0x6d70697065;  // "mpipe"
+constexpr int64_t kHeader = 32;
+constexpr int64_t kMaxDims = 12;
+enum Slot : int64_t {
+  kMagicSlot, kPipeline, kSeq, kType, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
+  kTextBytes, kCallFields, kDims, kShape  // kShape .. kShape + kMaxDims - 1
+};
+constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL
+static_assert(kOverNccl < kHeader, "the header holds the shape and the NCCL flag");
+
+MPIPE_FUNC bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+MPIPE_FUNC c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int rank, int size,
+    const std::string& master_addr, std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (is_loopback(master_addr)) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+}
+
+MPIPE_FUNC Backend resolve_backend(Backend asked) {
+  if (asked == Backend::Auto) {
+    if (const char* env = std::getenv("MPIPE_BACKEND")) {
+      const std::string v = env;
+      if (v == "gloo" || v == "Gloo") {
+        asked = Backend::Gloo;
+      } else if (v == "nccl" || v == "NCCL") {
+        asked = Backend::NCCL;
+      } else {
+        TORCH_CHECK(false, "mpipe::distributed: MPIPE_BACKEND must be gloo or nccl, got '", v,
+                    "'");
+      }
+    }
+  }
+#ifdef USE_C10D_NCCL
+  const bool nccl = true;
+#else
+  const bool nccl = false;
+#endif
+  if (asked == Backend::Auto) return nccl && torch::cuda::is_available() ? Backend::NCCL : Backend::Gloo;
+  TORCH_CHECK(asked != Backend::NCCL || nccl, "mpipe::distributed: the NCCL backend was asked "
+              "for, but this LibTorch has no NCCL (a CPU build?); use Backend::Gloo");
+  return asked;
+}
+
+// One call's link: a receiving thread ("pump") per peer reads that peer's
+// messages in order until its End or Abort; sends are posted without
+// waiting and waited for in finish().
+class GlooLink final : public Link {
+ public:
+  GlooLink(std::shared_ptr<Impl> group, int64_t pipeline_id, int64_t seq, LinkHandlers handlers)
+      : group_(std::move(group)),
+        comm_(*group_->comm),
+        pipeline_(pipeline_id),
+        seq_(seq),
+        handlers_(std::move(handlers)),
+        peers_(static_cast<size_t>(group_->pipeline_size())) {
+    tag_ = static_cast<int>(pipeline_id);
+    for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+      if (p == group_->pipeline_rank()) continue;
+      peers_[static_cast<size_t>(p)].thread = std::thread([this, p] { pump(p); });
+    }
+  }
+
+  ~GlooLink() override {
+    if (!finished_) {
+      try {
+        finish("the call was left without ending it", true);
+      } catch (...) {
+      }
+    }
+  }
+
+  void post(int64_t peer, WireMessage m) override {
+    at::Tensor header = at::zeros({kHeader}, at::kLong);
+    int64_t* h = header.data_ptr<int64_t>();
+    h[kMagicSlot] = kMagic;
+    h[kPipeline] = pipeline_;
+    h[kSeq] = seq_;
+    h[kType] = m.type;
+    h[kKind] = m.key.kind;
+    h[kItem] = m.key.item;
+    h[kStage] = m.stage;
+    h[kFrom] = m.from;
+    h[kIndex] = m.index;
+    h[kCount] = m.count;
+    h[kDtype] = -1;
+    std::vector<at::Tensor> payload;
+    const std::string& text = m.type == WireMessage::Abort ? m.text : m.key.name;
+    h[kTextBytes] = static_cast<int64_t>(text.size());
+    if (!text.empty()) {
+      at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+      std::memcpy(bytes.data_ptr(), text.data(), text.size());
+      payload.push_back(bytes);
+    }
+    h[kCallFields] = static_cast<int64_t>(m.call.size());
+    if (!m.call.empty()) {
+      payload.push_back(at::tensor(m.call, at::kLong));
+    }
+    at::Tensor nccl_payload;
+    if (m.tensor.defined()) {
+      TORCH_CHECK(m.tensor.dim() <= kMaxDims, "mpipe: a tensor sent to another rank has ",
+                  m.tensor.dim(), " dimensions; at most ", kMaxDims, " are supported");
+      h[kDtype] = static_cast<int64_t>(m.tensor.scalar_type());
+      h[kDims] = m.tensor.dim();
+      for (int64_t d = 0; d < m.tensor.dim(); ++d) h[kShape + d] = m.tensor.size(d);
+      if (m.tensor.numel() > 0) {
+#ifdef USE_C10D_NCCL
+        if (m.tensor.is_cuda() && comm_.world_nccl) {
+          nccl_payload = m.tensor.detach().contiguous();
+          h[kOverNccl] = 1;
+        }
+#endif
+        if (!nccl_payload.defined()) payload.push_back(m.tensor.detach().to(at::kCPU).contiguous());
+      }
+    }
+    Peer& to = peers_[static_cast<size_t>(peer)];
+    const int dst = static_cast<int>(group_->world_rank(peer));
+    std::lock_guard<std::mutex> lock(to.send_mutex);  // a message's parts stay together
+    std::vector<at::Tensor> one{header};
+    to.sends.push_back(comm_.world->send(one, dst, tag_));
+    for (auto& t : payload) {
+      std::vector<at::Tensor> part{t};
+      to.sends.push_back(comm_.world->send(part, dst, tag_));
+    }
+#ifdef USE_C10D_NCCL
+    // NCCL matches by order only: the peer's receiving thread posts its
+    // receives in the order of these headers, one peer at a time.
+    if (nccl_payload.defined()) {
+      std::vector<at::Tensor> part{nccl_payload};
+      to.sends.push_back(comm_.world_nccl->send(part, dst, 0));
+    }
+#endif
+  }
+
+  std::string finish(const std::string& error, bool failing) override {
+    finished_ = true;
+    std::string problems;
+    auto add = [&](const std::string& s) {
+      if (!s.empty()) problems += (problems.empty() ? "" : "; ") + s;
+    };
+    for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+      if (p == group_->pipeline_rank()) continue;
+      WireMessage end;
+      end.type = error.empty() ? WireMessage::End : WireMessage::Abort;
+      end.text = error;
+      try {
+        post(p, std::move(end));
+      } catch (const std::exception& e) {
+        add(c10::str("sending to rank ", group_->world_rank(p), " failed: ", e.what()));
+      }
+    }
+    for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+      Peer& peer = peers_[static_cast<size_t>(p)];
+      for (auto& w : peer.sends) {
+        try {
+          w->wait();
+        } catch (...) {
+          const std::string why = c10::str("rank ", group_->world_rank(p),
+                                           " did not take a message: ",
+                                           message_of(std::current_exception()));
+          group_->break_group(why);
+          add(why);
+          break;
+        }
+      }
+      peer.sends.clear();
+    }
+    // Every peer ends the call with End or Abort; one that does not within the
+    // deadline is stalled: its receive is aborted and the group is broken.
+    const auto deadline = std::chrono::steady_clock::now() +
+                          (failing ? std::min<std::chrono::milliseconds>(group_->timeout,
+                                                                          std::chrono::seconds(3))
+                                   : group_->timeout);
+    for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+      Peer& peer = peers_[static_cast<size_t>(p)];
+      if (!peer.thread.joinable()) continue;
+      {
+        std::unique_lock<std::mutex> lock(peer.recv_mutex);
+        if (!peer.ended_cv.wait_until(lock, deadline, [&] { return peer.ended; })) {
+          peer.abandoned = true;
+          if (peer.current) peer.current->abort();
+        }
+      }
+      peer.thread.join();
+    }
+    return problems;
+  }
+
+ private:
+  struct Peer {
+    std::mutex send_mutex;
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    std::thread thread;
+    std::mutex recv_mutex;  // guards what follows
+    c10::intrusive_ptr<c10d::Work> current;  // the receive in progress
+    bool ended = false;      // the pump is done
+    bool abandoned = false;  // finish() gave up on the peer
+    std::condition_variable ended_cv;
+  };
+
+  // No timeout of its own: a peer may be idle as long as its work takes
+  // (finish() bounds the wait for its End; the executor's receives time out).
+  // A peer that is gone fails the wait at once.
+  at::Tensor receive(int64_t peer, at::Tensor into) {
+    Peer& from = peers_[static_cast<size_t>(peer)];
+    std::vector<at::Tensor> one{into};
+    auto work = comm_.world->recv(one, static_cast<int>(group_->world_rank(peer)), tag_);
+    {
+      std::lock_guard<std::mutex> lock(from.recv_mutex);
+      TORCH_CHECK(!from.abandoned, "abandoned");
+      from.current = work;
+    }
+    const bool done = work->wait(std::chrono::hours(24 * 365));
+    {
+      std::lock_guard<std::mutex> lock(from.recv_mutex);
+      from.current.reset();
+      TORCH_CHECK(done && !from.abandoned, "abandoned");
+    }
+    return into;
+  }
+
+  void ended(int64_t peer) {
+    Peer& p = peers_[static_cast<size_t>(peer)];
+    std::lock_guard<std::mutex> lock(p.recv_mutex);
+    p.ended = true;
+    p.ended_cv.notify_all();
+  }
+
+  void pump(int64_t peer) {
+    const int64_t from_rank = group_->world_rank(peer);
+    try {
+      for (;;) {
+        at::Tensor header = receive(peer, at::empty({kHeader}, at::kLong));
+        const int64_t* h = header.data_ptr<int64_t>();
+        TORCH_CHECK(h[kMagicSlot] == kMagic && h[kPipeline] == pipeline_,
+                    "a message that is not this pipeline's arrived (pipeline ", h[kPipeline],
+                    " of ", pipeline_, "): build the same pipelines in the same order on every "
+                    "rank");
+        TORCH_CHECK(h[kSeq] == seq_, "it is at call ", h[kSeq], " of this pipeline and this rank "
+                    "at call ", seq_, ": every rank must make the same pipeline calls in the "
+                    "same order");
+        WireMessage m;
+        m.type = static_cast<WireMessage::Type>(h[kType]);
+        m.key.kind = static_cast<Key::Kind>(h[kKind]);
+        m.key.item = h[kItem];
+        m.stage = h[kStage];
+        m.from = h[kFrom];
+        m.index = h[kIndex];
+        m.count = h[kCount];
+        std::string text;
+        if (h[kTextBytes] > 0) {
+          at::Tensor bytes = receive(peer, at::empty({h[kTextBytes]}, at::kByte));
+          text.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(h[kTextBytes]));
+        }
+        if (h[kCallFields] > 0) {
+          at::Tensor call = receive(peer, at::empty({h[kCallFields]}, at::kLong));
+          m.call.assign(call.data_ptr<int64_t>(), call.data_ptr<int64_t>() + h[kCallFields]);
+        }
+        if (h[kDtype] >= 0) {
+          std::vector<int64_t> shape(h + kShape, h + kShape + h[kDims]);
+          auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(h[kDtype]));
+          if (h[kOverNccl] == 1) {
+#ifdef USE_C10D_NCCL
+            TORCH_CHECK(comm_.world_nccl, "a tensor came over NCCL, but this rank's group has "
+                        "no NCCL (every rank must choose the same backend)");
+            const c10::Device device = handlers_.device_of(m.stage);
+            TORCH_CHECK(device.is_cuda(), "rank ", from_rank, " sent a CUDA tensor over NCCL "
+                        "for stage ", m.stage, ", which runs on ", device, " here; with the NCCL "
+                        "backend a boundary between ranks joins CUDA stages (use Backend::Gloo "
+                        "for CPU stages)");
+            m.tensor = at::empty(shape, options.device(device));
+            std::vector<at::Tensor> part{m.tensor};
+            comm_.world_nccl->recv(part, static_cast<int>(from_rank), 0)->wait();
+            // wait() ordered this thread's current stream after the receive.
+            m.ready = record_event(current_stream(device));
+#else
+            TORCH_CHECK(false, "a tensor came over NCCL, but this build has no NCCL");
+#endif
+          } else {
+            m.tensor = at::empty(shape, options);
+            if (m.tensor.numel() > 0) receive(peer, m.tensor);
+          }
+        }
+        if (m.type == WireMessage::End) return ended(peer);
+        if (m.type == WireMessage::Abort) {
+          handlers_.failed(peer, c10::str("rank ", from_rank, " failed: ", text));
+          return ended(peer);
+        }
+        m.key.name = std::move(text);
+        handlers_.deliver(peer, std::move(m));
+      }
+    } catch (...) {
+      bool abandoned;
+      {
+        std::lock_guard<std::mutex> lock(peers_[static_cast<size_t>(peer)].recv_mutex);
+        abandoned = peers_[static_cast<size_t>(peer)].abandoned;
+      }
+      const std::string why =
+          abandoned ? c10::str("rank ", from_rank, " did not end the call (stalled?)")
+                    : c10::str("rank ", from_rank, " cannot be reached (",
+                               message_of(std::current_exception()), ")");
+      group_->break_group(why);
+      handlers_.failed(peer, why);
+      ended(peer);
+    }
+  }
+
+  std::shared_ptr<Impl> group_;
+  Comm& comm_;
+  const int64_t pipeline_;
+  const int64_t seq_;
+  int tag_ = 0;
+  LinkHandlers handlers_;
+  std::vector<Peer> peers_;
+  bool finished_ = false;
+};
+
+MPIPE_FUNC std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : (fallback ? std::string(fallback) : std::string());
+}
+
+MPIPE_FUNC int64_t env_int(const char* name) {
+  const std::string v = env_or(name, nullptr);
+  TORCH_CHECK(!v.empty(), "mpipe::distributed::init_from_env: ", name, " is not set; start the "
+              "program with mpipe-launch -n N -- ./app or torchrun --no-python "
+              "--nproc-per-node N ./app (or call mpipe::distributed::init)");
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    TORCH_CHECK(used == v.size(), "");
+    return x;
+  } catch (...) {
+    TORCH_CHECK(false, "mpipe::distributed::init_from_env: ", name, " must be an integer, got '",
+                v, "'");
+  }
+}
+
+}  // namespace distributed_impl
+using namespace distributed_impl;
+
+MPIPE_FUNC std::unique_ptr<Link> open_link(const distributed::ProcessGroup& group,
+                                           int64_t pipeline_id, int64_t seq,
+                                           LinkHandlers handlers) {
+  const std::string broken = group.impl()->broken_reason();
+  TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
+              "restart every rank");
+  return std::make_unique<GlooLink>(group.impl(), pipeline_id, seq, std::move(handlers));
+}
+
+MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
+                                                      int64_t pipeline_id, int64_t mine) {
+  // An allgather over the world (every rank connects its pipelines in the same
+  // order, at their first calls); the store would do too, but its locks are
+  // taken inside LibTorch, where ThreadSanitizer cannot see them.
+  (void)pipeline_id;
+  const Impl& g = *group.impl();
+  std::vector<at::Tensor> in{at::full({1}, mine, at::kLong)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < g.world; ++r) out[0].push_back(at::empty({1}, at::kLong));
+  g.comm->world->allgather(out, in)->wait();
+  std::vector<int64_t> counts;
+  for (int64_t p = 0; p < g.pipeline_size(); ++p) {
+    counts.push_back(out[0][static_cast<size_t>(g.world_rank(p))].item<int64_t>());
+  }
+  return counts;
+}
+
+MPIPE_FUNC int64_t next_pipeline_id(const distributed::ProcessGroup& group) {
+  return group.impl()->next_pipeline++;
+}
+
+MPIPE_FUNC void barrier(const distributed::ProcessGroup& group) {
+  group.impl()->comm->world->barrier()->wait();
+}
+
+MPIPE_FUNC bool any_rank(const distributed::ProcessGroup& group, bool flag) {
+  std::vector<at::Tensor> one{at::full({1}, flag ? 1 : 0, at::kLong)};
+  group.impl()->comm->world->allreduce(one)->wait();
+  return one[0].item<int64_t>() > 0;
+}
+
+MPIPE_FUNC void allreduce_replicas(const distributed::ProcessGroup& group,
+                                   std::vector<at::Tensor> tensors, bool average) {
+  const Impl& g = *group.impl();
+  if (g.replicas == 1) return;
+  // One flat buffer per (device, dtype): one allreduce each.
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> buckets;
+  for (auto& t : tensors) {
+    if (!t.defined()) continue;
+    buckets[{t.device().str(), static_cast<int>(t.scalar_type())}].push_back(t);
+  }
+  for (auto& b : buckets) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : b.second) flat_parts.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    const c10::Device device = flat.device();
+    std::vector<at::Tensor> one;
+#ifdef USE_C10D_NCCL
+    if (device.is_cuda() && g.comm->replicas_nccl) {
+      one = {flat};
+      g.comm->replicas_nccl->allreduce(one)->wait();
+    } else
+#endif
+    {
+      one = {flat.to(at::kCPU)};
+      g.comm->replicas->allreduce(one)->wait();
+    }
+    at::Tensor sum = one[0].to(device);
+    if (average) sum.div_(static_cast<double>(g.replicas));
+    int64_t at = 0;
+    for (auto& t : b.second) {
+      t.copy_(sum.narrow(0, at, t.numel()).view_as(t));
+      at += t.numel();
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace distributed {
+
+MPIPE_FUNC bool available() { return true; }
+
+MPIPE_FUNC ProcessGroup init(int64_t rank, int64_t world_size, const std::string& master_addr,
+                             int master_port, GroupOptions options) {
+  TORCH_CHECK(world_size >= 1, "mpipe::distributed::init: the world size must be >= 1, got ",
+              world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "mpipe::distributed::init: rank ", rank,
+              " is outside the world of ", world_size);
+  TORCH_CHECK(master_port > 0 && master_port < 65536, "mpipe::distributed::init: the master "
+              "port must be in 1..65535, got ", master_port);
+  TORCH_CHECK(options.replicas() >= 1 && world_size % options.replicas() == 0,
+              "mpipe::distributed::init: replicas=", options.replicas(), " must divide the "
+              "world size ", world_size, " (world = replicas x pipeline ranks)");
+  TORCH_CHECK(options.timeout().count() > 0, "mpipe::distributed::init: the timeout must be "
+              "positive, got ", options.timeout().count(), " ms");
+  auto impl = std::make_shared<ProcessGroup::Impl>();
+  impl->rank = rank;
+  impl->world = world_size;
+  impl->replicas = options.replicas();
+  impl->backend = detail::resolve_backend(options.backend());
+  impl->timeout = options.timeout();
+  impl->comm = std::make_shared<detail::Comm>();
+  auto& comm = *impl->comm;
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(master_port);
+    store_options.isServer = rank == 0;
+    store_options.numWorkers = static_cast<size_t>(world_size);
+    store_options.timeout = options.timeout();
+    comm.store = c10::make_intrusive<c10d::TCPStore>(master_addr, store_options);
+    comm.world = detail::make_gloo(comm.store, "mpipe/world", static_cast<int>(rank),
+                                   static_cast<int>(world_size), master_addr, options.timeout());
+#ifdef USE_C10D_NCCL
+    if (impl->backend == Backend::NCCL && world_size > 1) {
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = options.timeout();
+      comm.world_nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("mpipe/world/nccl", comm.store),
+          static_cast<int>(rank), static_cast<int>(world_size), nccl_options);
+    }
+#endif
+    if (impl->replicas > 1) {
+      const std::string prefix = c10::str("mpipe/replicas", impl->pipeline_rank());
+      comm.replicas = detail::make_gloo(comm.store, prefix, static_cast<int>(impl->replica()),
+                                        static_cast<int>(impl->replicas), master_addr,
+                                        options.timeout());
+#ifdef USE_C10D_NCCL
+      if (impl->backend == Backend::NCCL) {
+        auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+        nccl_options->timeout = options.timeout();
+        comm.replicas_nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+            c10::make_intrusive<c10d::PrefixStore>(prefix + "/nccl", comm.store),
+            static_cast<int>(impl->replica()), static_cast<int>(impl->replicas), nccl_options);
+      }
+#endif
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "mpipe::distributed::init: rank ", rank, " of ", world_size,
+                " could not join at ", master_addr, ":", master_port, ": ",
+                e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "mpipe::distributed::init: rank ", rank, " of ", world_size,
+                " could not join at ", master_addr, ":", master_port, ": ", e.what());
+  }
+  return ProcessGroup(std::move(impl));
+}
+
+MPIPE_FUNC ProcessGroup init_from_env(GroupOptions options) {
+  const int64_t rank = detail::env_int("RANK");
+  const int64_t world = detail::env_int("WORLD_SIZE");
+  const std::string addr = detail::env_or("MASTER_ADDR", "127.0.0.1");
+  const int64_t port = detail::env_int("MASTER_PORT");
+  return init(rank, world, addr, static_cast<int>(port), options);
+}
+
+}  // namespace distributed
+}  // namespace mpipe

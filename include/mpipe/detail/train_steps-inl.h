@@ -1,0 +1,649 @@
+#pragma once
+
+#include "mpipe/detail/config.h"
+
+// The training steps: train_step (per-stage programs of forwards and
+// backwards, Note [Training runtime]) and constant_train_step (an SNN's T
+// time steps, then one backward).
+
+#include "pipeline_state.h"
+
+#include "autocast.h"
+#include "backward_scope.h"
+#include "backward_positions.h"
+#include "rng.h"
+#include "scatter.h"
+#include "streams.h"
+
+#include "mpipe/state.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+
+namespace mpipe {
+
+using detail::CallSpec;
+using detail::GraphKey;
+
+namespace train_steps_impl {
+
+/// loss_fn(out, target), its errors marked as the loss function's (and as
+/// `method`'s, when the executor does not name the call itself).
+MPIPE_FUNC at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out,
+                                const at::Tensor& target, const char* method = nullptr) {
+  std::string what;
+  try {
+    return loss_fn(out, target);
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  TORCH_CHECK(false, method ? c10::str("mpipe::ModelPipeline::", method, ": ") : std::string(),
+              "the loss function failed: ", what);
+}
+
+MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
+  const int64_t v = step.virtual_stages();
+  const bool interleaved =
+      step.schedule() == Schedule::Interleaved1F1B || step.schedule() == Schedule::Auto;
+  TORCH_CHECK(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ", v);
+  TORCH_CHECK(v == 1 || interleaved, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+              " applies to Schedule::Interleaved1F1B and Schedule::Auto, not ",
+              to_string(step.schedule()));
+  TORCH_CHECK(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+              " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
+              "n_stages / virtual_stages))");
+  const auto& costs = step.stage_costs();
+  TORCH_CHECK(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
+              "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),
+              " entries for ", n_stages, " stages (give one, or one per stage)");
+  for (size_t s = 0; s < costs.size(); ++s) {
+    const auto& c = costs[s];
+    TORCH_CHECK(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
+                    c.transfer >= 0,
+                "mpipe::ModelPipeline::train_step: stage_costs[", s,
+                "] has a negative or NaN cost (forward ", c.forward, ", backward_input ",
+                c.backward_input, ", backward_weight ", c.backward_weight, ", transfer ",
+                c.transfer, ")");
+  }
+  const auto& bytes = step.activation_bytes();
+  TORCH_CHECK(bytes.empty() || static_cast<int64_t>(bytes.size()) == n_stages,
+              "mpipe::ModelPipeline::train_step: activation_bytes has ", bytes.size(),
+              " entries for ", n_stages, " stages");
+  for (size_t s = 0; s < bytes.size(); ++s) {
+    TORCH_CHECK(bytes[s] >= 0, "mpipe::ModelPipeline::train_step: activation_bytes[", s,
+                "] must be >= 0, got ", bytes[s]);
+  }
+  TORCH_CHECK(step.memory_limit() >= 0, "mpipe::ModelPipeline::train_step: memory_limit must be "
+              ">= 0 (0: no limit), got ", step.memory_limit());
+}
+
+/// A label per stage: stages on one device share it.
+MPIPE_FUNC std::vector<int64_t> device_labels(const std::vector<c10::Device>& devices) {
+  std::vector<int64_t> labels;
+  for (size_t s = 0; s < devices.size(); ++s) {
+    int64_t label = static_cast<int64_t>(s);
+    for (size_t q = 0; q < s; ++q) {
+      if (devices[q] == devices[s]) {
+        label = labels[q];
+        break;
+      }
+    }
+    labels.push_back(label);
+  }
+  return labels;
+}
+
+MPIPE_FUNC void check_grad_mode(const char* method) {
+  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
+              "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
+              "InferenceMode is active); a training step needs them");
+}
+
+// Note [Data parallel replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With GroupOptions::replicas R > 1, each replica trains on its own batch
+// and, after the step, what the step added to each parameter's gradient is
+// summed across the R replicas of its stage (one c10d allreduce per device
+// and dtype, on the group of those replicas), then divided by R for
+// LossReduction::Mean: the gradients of one step on the R batches together
+// (as many rows each). Gradients accumulated before the step are kept out of
+// the sum, so accumulation over several steps stays exact. The last ranks'
+// losses are reduced the same way.
+class ReplicaGradients {
+ public:
+  ReplicaGradients(std::vector<at::Tensor> params, detail::RemoteCall* remote)
+      : remote_(remote && remote->group().replicas() > 1 ? remote : nullptr) {
+    if (!remote_) return;
+    params_ = std::move(params);
+    for (const auto& p : params_) {
+      before_.push_back(p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    }
+  }
+
+  void reduce(bool mean, at::Tensor& loss) {
+    if (!remote_) return;
+    std::vector<at::Tensor> added;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      at::Tensor& p = params_[k];
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);  // every replica sends one
+      at::Tensor g = p.grad();
+      if (before_[k].defined()) g.sub_(before_[k]);
+      added.push_back(g);
+    }
+    if (loss.defined()) added.push_back(loss);
+    detail::allreduce_replicas(remote_->group(), added, mean);
+    for (size_t k = 0; k < params_.size(); ++k) {
+      if (before_[k].defined()) params_[k].grad().add_(before_[k]);
+    }
+  }
+
+ private:
+  detail::RemoteCall* remote_;
+  std::vector<at::Tensor> params_, before_;
+};
+
+}  // namespace train_steps_impl
+using namespace train_steps_impl;
+
+MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable(const char* method) const {
+  for (size_t j = 0; j < stateful.size(); ++j) {
+    for (const auto& m : stateful[j]) {
+      TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
+                  ": stage ", j, " holds a stateful module without state snapshots: ", m.name,
+                  ". Checkpointing runs a stage again in backward and must start that module "
+                  "from the state its forward saw; implement supports_state_snapshots(), "
+                  "save_state() and load_state() (Note [State snapshots] in mpipe/state.h), "
+                  "or use Checkpoint::Never");
+    }
+  }
+}
+
+MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
+                                                         const at::Tensor& target) const {
+  if (x.requires_grad() || (self.is_training() && self.options.checkpoint() != Checkpoint::Never)) {
+    return false;  // input gradients leave the graph; a recompute is not captured
+  }
+  if (target.defined() && target.device() != x.device()) return false;
+  // graphable()'s rules apart from grad mode (it also refuses while a timeline
+  // is recorded).
+  c10::NoGradGuard no_grad;
+  return graphable(x);
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
+    const GraphKey& key, bool graphable_call, const at::Tensor& x, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
+  if (graphable_call && self.options.cuda_graphs() && step_graphable(x, target)) {
+    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+    struct Flag {  // graphed steps keep autograd's accumulation (Note [Cast gradients per step])
+      bool& on;
+      explicit Flag(bool& f) : on(f) { on = true; }
+      ~Flag() { on = false; }
+    } graphed{in_graphed_step};
+    at::Tensor loss = detail::run_graphed_step(
+        *graphs, key.str(), {x, target}, self.parameters(),
+        [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+        [this] { reset_states(self); });
+    if (loss.defined()) {
+      reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
+      return loss;
+    }
+  }
+  return eager(x, target, self.options.worker_threads());
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
+    const std::vector<Input>& inputs, const std::vector<Input>& in, const at::Tensor& y,
+    const LossFunction& loss_fn, const detail::CallInfo& info, bool threaded,
+    detail::RemoteCall* remote, double loss_scale) {
+  const int64_t rows = info.rows, batch = info.batch;
+  const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
+  const bool first = !remote || remote->first();
+  const bool last_rank = !remote || remote->last();
+  std::vector<bool> requires_grad;
+  bool any_grad = false;
+  for (const auto& x : inputs) {
+    requires_grad.push_back(first && x.tensor.requires_grad());
+    any_grad |= first && x.tensor.requires_grad();
+  }
+  CallSpec spec;
+  spec.method = "train_step";
+  spec.item_name = "micro-batch";
+  spec.training = true;
+  spec.micro_batched = true;
+  spec.accumulate_cast_grads = self.options.accumulate_cast_grads() && !in_graphed_step;
+  spec.remote = remote;
+  spec.n_items = info.n_items;
+  const auto schedule = static_cast<Schedule>(info.schedule);
+  spec.schedule = to_string(schedule);
+  spec.programs = programs_for(schedule, spec.n_items, executor.n_total(), info.virtual_stages);
+  spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
+  spec.target = [&](int64_t i) {
+    return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
+  };
+  const bool scaled = loss_scale != 1.0;
+  std::vector<at::Tensor> unscaled(scaled ? static_cast<size_t>(info.n_items) : 0);
+  spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
+    TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
+                " tensors; train_step's loss_fn takes one");
+    at::Tensor loss = call_loss(loss_fn, out[0], tgt[0]);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "the loss function must return one value, got ",
+                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+    loss = loss.reshape({});
+    if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+    if (scaled) {  // backward from the scaled loss; the step returns the loss itself
+      unscaled[static_cast<size_t>(i)] = loss.detach();
+      loss = loss * loss_scale;
+    }
+    return loss;
+  };
+  spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
+  spec.stateful = &stateful;
+  spec.input_requires_grad = requires_grad;
+  spec.caller_tensors = detail::tensors_of(in);
+  if (y.defined()) spec.caller_tensors.push_back(y);
+  ReplicaGradients replicas(self.parameters(), remote);  // data parallelism: what this step adds
+  execute(spec, threaded);
+  at::Tensor loss_sum;
+  if (last_rank) {  // the step's loss, on the last stage's stream, summed in micro-batch order
+    c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
+    for (const auto& l : scaled ? unscaled : spec.losses) {
+      loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    }
+  }
+  executor.join();  // the caller's streams wait for the sum too (and a graph capture joins it)
+  // Parameter gradients and the loss are used on the caller's streams now.
+  for (size_t j = 0; j < devices.size(); ++j) {
+    for (const auto& p : stages->ptr(j)->parameters()) detail::record_on_current(p.grad());
+  }
+  if (loss_sum.defined()) detail::record_on_current(loss_sum);
+  if (any_grad) {  // the inputs' gradients, through the caller's own graph
+    std::vector<at::Tensor> roots, grads;
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      if (!requires_grad[k]) continue;
+      std::vector<at::Tensor> parts;
+      at::Tensor sum;
+      for (int64_t i = 0; i < spec.n_items; ++i) {
+        const auto& mb = detail::micro_batch(in, i, rows, batch)[k];
+        at::Tensor g = spec.input_grads[static_cast<size_t>(i)][k];
+        if (!g.defined()) g = at::zeros_like(mb);
+        detail::record_on_current(g);
+        g = g.to(inputs[k].tensor.device());
+        if (inputs[k].batched) {
+          parts.push_back(g);
+        } else {
+          sum = sum.defined() ? sum + g : g;
+        }
+      }
+      roots.push_back(inputs[k].tensor);
+      grads.push_back(inputs[k].batched ? at::cat(parts, 0) : sum);
+    }
+    detail::NoAutocast no_autocast;  // the caller's graph: the engine's threads
+    torch::autograd::backward(roots, grads);
+  }
+  replicas.reduce(mean, loss_sum);
+  return loss_sum;
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Input>& inputs,
+                                                           const at::Tensor& target,
+                                                           const LossFunction& loss_fn,
+                                                           const TrainStepOptions& step,
+                                                           bool graphable_call) {
+  // The call's description from the inputs and options (the first rank's,
+  // across processes), checked.
+  auto describe = [&] {
+    detail::CallInfo c;
+    c.batch = detail::split_batch("train_step", inputs);
+    TORCH_CHECK(step.split_size() > 0,
+                "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
+                step.split_size());
+    const int64_t n_stages = executor.n_total();
+    check_schedule(step, n_stages);
+    TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
+                "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
+                step.loss_scale());
+    c.rows = step.split_size();
+    c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    std::vector<int64_t> labels;
+    if (distributed()) {  // every process its own device, apart from this rank's stages
+      const auto mine = device_labels(devices);
+      for (int64_t s = 0; s < n_stages; ++s) {
+        const int64_t local = s - executor.first_stage();
+        labels.push_back(local >= 0 && local < static_cast<int64_t>(devices.size())
+                             ? executor.first_stage() + mine[static_cast<size_t>(local)]
+                             : s);
+      }
+    } else {
+      labels = device_labels(devices);
+    }
+    c.schedule = static_cast<int64_t>(
+        step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
+                                          : step.schedule());
+    c.virtual_stages = step.virtual_stages();
+    c.reduction = static_cast<int64_t>(step.reduction());
+    return c;
+  };
+  auto check_target = [&](int64_t batch) {
+    TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == batch,
+                "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
+                batch, ") along dim 0, got ",
+                target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
+    TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
+  };
+  auto detach = [](const std::vector<Input>& in) {
+    std::vector<Input> detached;
+    for (const auto& x : in) {
+      Input d(x.tensor.detach());
+      d.batched = x.batched;
+      detached.push_back(d);
+    }
+    return detached;
+  };
+  if (distributed()) {
+    return guarded("train_step", [&] {
+      return across("train_step", [&](detail::RemoteCall& call) {
+        check_grad_mode("train_step");
+        if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
+          check_checkpointable("train_step");
+        }
+        const auto info = agree(call, "train_step", describe);
+        if (call.last()) check_target(info.batch);
+        const std::vector<Input> none;
+        return step_items(call.first() ? inputs : none, call.first() ? detach(inputs) : none,
+                          call.last() ? target.detach() : at::Tensor(), loss_fn, info,
+                          self.options.worker_threads(), &call, step.loss_scale());
+      });
+    });
+  }
+  const detail::CallInfo info = [&] {
+    auto c = describe();
+    check_target(c.batch);
+    check_grad_mode("train_step");
+    return c;
+  }();
+  bool any_grad = false;
+  for (const auto& in : inputs) any_grad |= in.tensor.requires_grad();
+  return guarded("train_step", [&] {
+    if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
+      check_checkpointable("train_step");
+    }
+    const std::vector<Input> detached = detach(inputs);
+    // A scaled step runs eagerly: the scale changes as training goes.
+    const bool graphed =
+        graphable_call && inputs.size() == 1 && !any_grad && step.loss_scale() == 1.0;
+    if (!graphed) {
+      return step_items(inputs, detached, target.detach(), loss_fn, info,
+                        self.options.worker_threads(), nullptr, step.loss_scale());
+    }
+    GraphKey key;
+    key.method = "train_step";
+    key.items = info.rows;
+    key.schedule = static_cast<int>(step.schedule());
+    key.reduction = static_cast<int>(step.reduction());
+    key.input_sizes = inputs[0].tensor.sizes().vec();
+    key.input_dtype = inputs[0].tensor.scalar_type();
+    key.target_sizes = target.sizes().vec();
+    key.target_dtype = target.scalar_type();
+    key.training = self.is_training();
+    return run_step(key, graphed, detached[0].tensor, target.detach(),
+                    [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                      Input d(x);
+                      return step_items({d}, {d}, y, loss_fn, info, threaded, nullptr);
+                    });
+  });
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
+    const std::vector<Input>& inputs, int64_t T, const at::Tensor& target,
+    const LossFunction& loss_fn, int64_t chunk, bool graphable_call) {
+  if (!distributed()) {
+    detail::batch_size("constant_train_step", inputs, 0);
+    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time steps) "
+                "must be positive, got ", T);
+    TORCH_CHECK(static_cast<bool>(loss_fn),
+                "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  }
+  check_grad_mode("constant_train_step");
+  if (distributed()) {
+    return guarded("constant_train_step", [&] {
+      reset_states(self);
+      struct ResetAfter {
+        torch::nn::Module& m;
+        ~ResetAfter() { reset_states(m); }
+      } reset_after{self};
+      return across("constant_train_step", [&](detail::RemoteCall& call) {
+        return constant_step_across(call, inputs, T, target, loss_fn, chunk);
+      });
+    });
+  }
+  const size_t last = devices.size() - 1;
+  chunk = resolve_chunk(chunk, T);
+  std::vector<bool> batched;
+  for (const auto& in : inputs) batched.push_back(in.batched);
+  const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
+  auto eager = [&](const Tensors& in, const at::Tensor& tgt, bool threaded) {
+    detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
+    const Tensors outs = run_constant("constant_train_step", in, T, /*reduce=*/true, chunk,
+                                      threaded, &positions, nullptr, batched);
+    TORCH_CHECK(outs.size() == 1, "mpipe::ModelPipeline::constant_train_step: the last stage "
+                "returned ", outs.size(), " tensors; loss_fn takes one");
+    struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
+      detail::Executor& executor;
+      bool done = false;
+      ~JoinOnError() {
+        if (done) return;
+        try {
+          executor.join();
+        } catch (...) {  // the first error is the one to report
+        }
+      }
+    } join_on_error{executor};
+    at::Tensor loss;
+    {
+      // The loss and the backward call run on the last stage's stream, as in
+      // train_step; the caller's stream waits for them below.
+      c10::OptionalStreamGuard last_stage(executor.compute_stream(last));
+      loss = call_loss(loss_fn, outs[0], tgt, "constant_train_step");
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
+                  "value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      std::string failure;
+      try {
+        // Note [Backward on the worker's thread]
+        detail::BackwardScope backward_scope(one_device());
+        torch::autograd::backward({loss});
+      } catch (const c10::Error& e) {
+        failure = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty()) {
+        const auto position = positions.last();
+        TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
+                    position.first, " (on ", devices[static_cast<size_t>(position.first)],
+                    ") failed at backward of ", chunks.describe(position.second), ": ",
+                    failure);
+        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
+                    "before reaching a stage (in the loss's backward): ", failure);
+      }
+    }
+    join_on_error.done = true;
+    executor.join();  // the caller's streams wait for the stage streams
+    if (const auto s = executor.compute_stream(last)) {
+      detail::record_on(loss, detail::current_stream(s->device()));  // used there now
+    }
+    return loss.detach();
+  };
+  return guarded("constant_train_step", [&] {
+    // The rollback (guarded) is set up before ResetAfter, so a failed step
+    // ends with the state of its start, not reset (Note [State snapshots]).
+    reset_states(self);
+    struct ResetAfter {  // state does not outlive the step, whatever happens
+      torch::nn::Module& m;
+      ~ResetAfter() { reset_states(m); }
+    } reset_after{self};
+    const Tensors in = detail::tensors_of(inputs);
+    if (!(graphable_call && inputs.size() == 1)) {
+      return eager(in, target, self.options.worker_threads());
+    }
+    GraphKey key;
+    key.method = "constant_train_step";
+    key.items = T;
+    key.chunk = chunk;
+    key.input_sizes = in[0].sizes().vec();
+    key.input_dtype = in[0].scalar_type();
+    if (target.defined()) {
+      key.target_sizes = target.sizes().vec();
+      key.target_dtype = target.scalar_type();
+    }
+    key.training = self.is_training();
+    // x keeps its autograd identity (its gradient is accumulated if it
+    // requires one); such a step is never graphed.
+    return run_step(key, true, in[0], target,
+                    [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                      return eager({x}, y, threaded);
+                    });
+  });
+}
+
+// Note [constant_train_step across processes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The T time steps run as in one process (one graph per rank, stateful
+// modules linking the steps), but the graph cannot cross a process: what an
+// item sends to the next rank is kept with its graph, and what arrives from
+// the previous rank becomes a leaf that requires grad (RemoteCall::Boundary).
+// Then the backward pass runs rank by rank from the last: the last rank
+// backpropagates the loss, every other rank waits for the gradients of what
+// it sent (one message per time step) and backpropagates them, and each rank
+// but the first sends its leaves' gradients back. The first rank's backward
+// reaches the caller's input.
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
+    detail::RemoteCall& call, const std::vector<Input>& inputs, int64_t T, const at::Tensor& target,
+    const LossFunction& loss_fn, int64_t chunk) {
+  const auto info = agree(call, "constant_train_step", [&] {
+    detail::batch_size("constant_train_step", inputs, 0);
+    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time "
+                "steps) must be positive, got ", T);
+    detail::CallInfo c;
+    c.n_items = T;
+    c.chunk = resolve_chunk(chunk, T);
+    return c;
+  });
+  const detail::TimeChunks chunks{info.n_items, info.chunk};
+  const int64_t n_items = chunks.count();
+  if (call.last()) {
+    TORCH_CHECK(static_cast<bool>(loss_fn),
+                "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+  }
+  ReplicaGradients replicas(self.parameters(), &call);  // averaged: a mean loss
+  call.boundary.record = true;
+  const Tensors in = call.first() ? detail::tensors_of(inputs) : Tensors{};
+  detail::BackwardPositions positions(call.first() ? in[0] : at::Tensor());
+  std::vector<bool> batched;
+  for (const auto& input : inputs) batched.push_back(input.batched);
+  const Tensors outs = run_constant("constant_train_step", in, info.n_items, /*reduce=*/true,
+                                    info.chunk, self.options.worker_threads(), &positions, &call,
+                                    batched);
+  call.boundary.record = false;
+
+  // The backward pass, rank by rank (this rank's first and last stages).
+  const int64_t first = executor.first_stage();
+  const int64_t last = first + static_cast<int64_t>(devices.size()) - 1;
+  detail::LocalTransport mail(executor.stages(), first, /*blocking=*/true, nullptr,
+                              call.group().timeout());
+  std::exception_ptr failure;
+  detail::RemoteTransport link(mail, call, first, last + 1, nullptr,
+                               [&](std::exception_ptr e) {
+                                 if (!failure) failure = e;
+                                 mail.abort();
+                               });
+  call.attach(&link);
+  struct Detach {
+    detail::RemoteCall& call;
+    ~Detach() { call.detach(); }
+  } detach{call};
+  std::vector<at::Tensor> roots, grads;
+  at::Tensor loss;
+  executor.join();
+  const char* phase = "the loss";
+  int64_t item = -1;
+  try {
+    if (call.last()) {
+      TORCH_CHECK(outs.size() == 1, "the last stage returned ", outs.size(),
+                  " tensors; loss_fn takes one");
+      c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
+      loss = call_loss(loss_fn, outs[0], target);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "the loss function must return one value, got ",
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+      loss = loss.reshape({});
+      roots.push_back(loss);
+      grads.emplace_back();
+    } else {
+      phase = chunks.multi() ? "the gradients from the next rank for time chunk"
+                             : "the gradients from the next rank for time step";
+      for (item = 0; item < n_items; ++item) {
+        const Tensors got = link.receive(last, detail::Key{detail::Key::Gradient, item, {}});
+        const Tensors& sent = call.boundary.sent[item];
+        TORCH_CHECK(got.size() == sent.size(), "the next rank sent ", got.size(),
+                    " gradients for the ", sent.size(), " tensors this rank sent it");
+        for (size_t k = 0; k < sent.size(); ++k) {
+          if (sent[k].requires_grad() && got[k].defined()) {
+            roots.push_back(sent[k]);
+            grads.push_back(got[k]);
+          }
+        }
+      }
+    }
+    phase = "backward";
+    item = -1;
+    if (!roots.empty()) {
+      detail::BackwardScope backward_scope(one_device());
+      torch::autograd::backward(roots, grads);
+    }
+    executor.join();
+    if (!call.first()) {
+      for (int64_t t = 0; t < n_items; ++t) {
+        Tensors back;
+        for (const auto& leaf : call.boundary.received[t]) {
+          back.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
+        }
+        link.send(first, first - 1, detail::Key{detail::Key::Gradient, t, {}}, std::move(back));
+      }
+    }
+  } catch (const c10::Error& e) {
+    if (failure) std::rethrow_exception(failure);
+    std::string where;
+    if (std::string(phase) == "backward") {
+      const auto position = positions.last();
+      where = position.first >= 0
+                  ? c10::str("stage ", position.first, " (rank ", call.group().rank(),
+                             ") failed at backward of ", chunks.describe(position.second),
+                             ": ")
+                  : std::string("the backward pass failed: ");
+    } else {
+      where = c10::str("rank ", call.group().rank(), " failed at ", phase,
+                       item >= 0 ? c10::str(" ", item) : std::string(), ": ");
+    }
+    TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: ", where,
+                e.what_without_backtrace());
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (loss.defined()) loss = loss.detach();
+  replicas.reduce(/*mean=*/true, loss);
+  return loss;
+}
+
+}  // namespace mpipe
