@@ -14,8 +14,8 @@
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
 # headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
-# build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER), the four consumer tests,
-# and scripts/compile-time.sh (compile-time.txt). Logs go to
+# build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER); consumers = the four
+# consumer tests; compiletime = scripts/compile-time.sh (compile-time.txt). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
 # (few files, since a device call brings back at most 8), plus the benchmark's
 # JSON and compare.md. Header-only extras that machine lacks (CLI11, zlib's
@@ -71,7 +71,11 @@ if [[ " $steps " == *" headeronly "* ]]; then
     && cmake --build '$ho' --target mpipe_tests >> '$out/build-ho.log' 2>&1"
   step headeronly-gtest bash -o pipefail -c "'$ho/tests/mpipe_tests' --gtest_filter='${MPIPE_GTEST_FILTER:-*}' 2>&1 \
     | tee -a '$log' | tail -n 5"
+fi
+if [[ " $steps " == *" consumers "* ]]; then
   step consumers bash -o pipefail -c "cd '$bin' && ctest --output-on-failure -R '^consumer\.' 2>&1 | tee -a '$log'"
+fi
+if [[ " $steps " == *" compiletime "* ]]; then
   step compile-time bash -o pipefail -c "bash scripts/compile-time.sh '-DCMAKE_PREFIX_PATH=$prefix;$PWD/.devdata' \
     ${extra[*]:-} 2>&1 | tee '$out/compile-time.txt' | tee -a '$log'"
 fi
