@@ -299,6 +299,43 @@ TEST_P(MultiTensor, WrongInputsAreRefusedClearly) {
   expect_close(piped[1], plain[1], 1e-12, "output 1 after the errors");
 }
 
+// An input that needs grad but that no stage uses: autograd gives no gradient
+// for it in any micro-batch, and the pipeline hands back zeros (the plain
+// model leaves .grad undefined); the used input's gradient is the plain one.
+struct IgnoresSecondImpl : torch::nn::Module {
+  IgnoresSecondImpl() { fc = register_module("fc", torch::nn::Linear(W, W)); }
+  Tensors forward(const Tensors& in) { return {torch::tanh(fc(in[0]))}; }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(IgnoresSecond);
+
+TEST_P(MultiTensor, AnInputNoStageUsesGetsZeroGradients) {
+  torch::manual_seed(6);
+  IgnoresSecond s0;
+  torch::nn::Linear s1(W, 3);
+  ModelPipeline pipe(ModelPipelineOptions().worker_threads(GetParam()));
+  pipe->append(s0, "cpu").append(s1, "cpu");
+  pipe->to(torch::kDouble);
+  auto x = torch::randn({6, W}, torch::kDouble), extra = torch::randn({6, 2}, torch::kDouble);
+  auto target = torch::randn({6, 3}, torch::kDouble);
+  for (Schedule schedule : all_schedules()) {
+    SCOPED_TRACE(schedule_name(schedule));
+    auto x2 = leaf_copy(x);
+    auto loss2 = mse(s1(s0->forward({x2, extra})[0]), target);
+    loss2.backward();
+    auto plain_grads = grads_of(*pipe);
+    zero_grads(*pipe);
+    auto x1 = leaf_copy(x), extra1 = leaf_copy(extra);
+    auto loss1 = pipe->train_step({x1, extra1}, target, mse, schedule_options(schedule, 2, 2));
+    expect_close(loss1, loss2, 1e-12, "loss");
+    expect_close(x1.grad(), x2.grad(), 1e-12, "grad of x");
+    ASSERT_TRUE(extra1.grad().defined());
+    EXPECT_EQ(extra1.grad().abs().max().item<double>(), 0.0);
+    expect_same_grads(grads_of(*pipe), plain_grads);
+    zero_grads(*pipe);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, MultiTensor, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Threads" : "Inline"; });
 

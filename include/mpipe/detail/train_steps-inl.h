@@ -273,7 +273,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
       std::vector<at::Tensor> parts;
       at::Tensor sum;
       for (int64_t i = 0; i < spec.n_items; ++i) {
-        const auto& mb = detail::micro_batch(in, i, rows, batch)[k];
+        const at::Tensor mb = detail::micro_batch(in, i, rows, batch)[k];  // a copy: the vector is a temporary
         at::Tensor g = spec.input_grads[static_cast<size_t>(i)][k];
         if (!g.defined()) g = at::zeros_like(mb);
         detail::record_on_current(g);
