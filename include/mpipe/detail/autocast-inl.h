@@ -56,23 +56,22 @@ MPIPE_FUNC void set_on(c10::DeviceType d, bool enabled, c10::ScalarType dtype) {
 }
 
 }  // namespace autocast_impl
-using namespace autocast_impl;
 
 namespace detail {
 
 MPIPE_FUNC AutocastState AutocastState::current() {
   AutocastState s;
-  s.cpu = enabled_on(c10::DeviceType::CPU);
-  s.cuda = enabled_on(c10::DeviceType::CUDA);
-  s.cpu_dtype = dtype_on(c10::DeviceType::CPU);
-  s.cuda_dtype = dtype_on(c10::DeviceType::CUDA);
+  s.cpu = autocast_impl::enabled_on(c10::DeviceType::CPU);
+  s.cuda = autocast_impl::enabled_on(c10::DeviceType::CUDA);
+  s.cpu_dtype = autocast_impl::dtype_on(c10::DeviceType::CPU);
+  s.cuda_dtype = autocast_impl::dtype_on(c10::DeviceType::CUDA);
   s.cache = at::autocast::is_autocast_cache_enabled();
   return s;
 }
 
 MPIPE_FUNC void AutocastState::apply() const {
-  set_on(c10::DeviceType::CPU, cpu, cpu_dtype);
-  set_on(c10::DeviceType::CUDA, cuda, cuda_dtype);
+  autocast_impl::set_on(c10::DeviceType::CPU, cpu, cpu_dtype);
+  autocast_impl::set_on(c10::DeviceType::CUDA, cuda, cuda_dtype);
   at::autocast::set_autocast_cache_enabled(cache);
 }
 
@@ -85,7 +84,8 @@ MPIPE_FUNC std::string AutocastState::str() const {
 MPIPE_FUNC void clear_autocast_cache() { at::autocast::clear_cache(); }
 
 MPIPE_FUNC void start_with_fresh_casts() {
-  if (enabled_on(c10::DeviceType::CPU) || enabled_on(c10::DeviceType::CUDA)) {
+  if (autocast_impl::enabled_on(c10::DeviceType::CPU) ||
+      autocast_impl::enabled_on(c10::DeviceType::CUDA)) {
     at::autocast::clear_cache();
   }
 }
@@ -107,17 +107,17 @@ MPIPE_FUNC AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType 
               "mpipe::AutocastGuard: autocast is for CPU or CUDA, got ", device);
   TORCH_CHECK(dtype == c10::ScalarType::BFloat16 || dtype == c10::ScalarType::Half,
               "mpipe::AutocastGuard: the lower precision is BFloat16 or Half, got ", dtype);
-  was_enabled_ = enabled_on(device);
-  previous_dtype_ = dtype_on(device);
+  was_enabled_ = autocast_impl::enabled_on(device);
+  previous_dtype_ = autocast_impl::dtype_on(device);
   previous_cache_ = at::autocast::is_autocast_cache_enabled();
-  set_on(device, enabled, dtype);
+  autocast_impl::set_on(device, enabled, dtype);
   at::autocast::set_autocast_cache_enabled(cache);
   at::autocast::increment_nesting();
 }
 
 MPIPE_FUNC AutocastGuard::~AutocastGuard() {
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  set_on(device_, was_enabled_, previous_dtype_);
+  autocast_impl::set_on(device_, was_enabled_, previous_dtype_);
   at::autocast::set_autocast_cache_enabled(previous_cache_);
 }
 

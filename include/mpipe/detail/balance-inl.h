@@ -32,10 +32,9 @@ MPIPE_FUNC void check_costs(const std::vector<double>& costs, const char* who) {
 }
 
 }  // namespace balance_impl
-using namespace balance_impl;
 
 MPIPE_FUNC std::vector<int64_t> partition(const std::vector<double>& costs, int64_t n_blocks) {
-  check_costs(costs, "partition");
+  balance_impl::check_costs(costs, "partition");
   const auto n_layers = static_cast<int64_t>(costs.size());
   TORCH_CHECK(n_blocks >= 1, "mpipe::balance::partition: need at least one block, got ", n_blocks);
   TORCH_CHECK(n_layers >= n_blocks, "mpipe::balance::partition: ", n_layers,
@@ -74,7 +73,7 @@ MPIPE_FUNC std::vector<int64_t> partition(const std::vector<double>& costs, int6
 
 MPIPE_FUNC double max_block_cost(const std::vector<double>& costs,
                                  const std::vector<int64_t>& sizes) {
-  check_costs(costs, "max_block_cost");
+  balance_impl::check_costs(costs, "max_block_cost");
   int64_t at = 0;
   double worst = 0;
   for (size_t b = 0; b < sizes.size(); ++b) {
@@ -149,14 +148,13 @@ MPIPE_FUNC c10::Device device_of(const torch::nn::Sequential& layers) {
 }
 
 }  // namespace balance_impl
-using namespace balance_impl;
 
 MPIPE_FUNC std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor& sample,
                                             int64_t reps) {
   TORCH_CHECK(reps > 0, "mpipe::balance::profile_time: reps must be positive, got ", reps);
   TORCH_CHECK(sample.defined(), "mpipe::balance::profile_time: the sample is undefined");
-  const c10::Device device = device_of(layers);
-  KeepAsItWas keep(*layers);
+  const c10::Device device = balance_impl::device_of(layers);
+  balance_impl::KeepAsItWas keep(*layers);
   c10::AutoGradMode grad_on(true);
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
@@ -192,7 +190,6 @@ namespace balance_impl {
 MPIPE_FUNC std::vector<double> profile_bytes(torch::nn::Sequential layers, const at::Tensor& sample,
                                              double optimizer_state_scale, bool parameters);
 }  // namespace balance_impl
-using namespace balance_impl;
 
 MPIPE_FUNC std::vector<double> profile_memory(torch::nn::Sequential layers,
                                               const at::Tensor& sample,
@@ -200,12 +197,12 @@ MPIPE_FUNC std::vector<double> profile_memory(torch::nn::Sequential layers,
   TORCH_CHECK(optimizer_state_scale >= 0,
               "mpipe::balance::profile_memory: optimizer_state_scale must be >= 0, got ",
               optimizer_state_scale);
-  return profile_bytes(std::move(layers), sample, optimizer_state_scale, true);
+  return balance_impl::profile_bytes(std::move(layers), sample, optimizer_state_scale, true);
 }
 
 MPIPE_FUNC std::vector<double> profile_activations(torch::nn::Sequential layers,
                                                    const at::Tensor& sample) {
-  return profile_bytes(std::move(layers), sample, 0, false);
+  return balance_impl::profile_bytes(std::move(layers), sample, 0, false);
 }
 
 namespace balance_impl {
@@ -222,14 +219,13 @@ MPIPE_FUNC void check_stage_sizes(const char* who, size_t n_layers,
               ": the stages hold ", total, " layer(s), the values are of ", n_layers);
 }
 }  // namespace balance_impl
-using namespace balance_impl;
 
 MPIPE_FUNC schedules::Costs stage_costs(const std::vector<double>& layer_times,
                                         const std::vector<int64_t>& sizes, double scale) {
-  check_costs(layer_times, "stage_costs");
+  balance_impl::check_costs(layer_times, "stage_costs");
   TORCH_CHECK(std::isfinite(scale) && scale >= 0,
               "mpipe::balance::stage_costs: scale must be finite and >= 0, got ", scale);
-  check_stage_sizes("stage_costs", layer_times.size(), sizes);
+  balance_impl::check_stage_sizes("stage_costs", layer_times.size(), sizes);
   schedules::Costs costs;
   size_t at = 0;
   for (int64_t n : sizes) {
@@ -243,10 +239,10 @@ MPIPE_FUNC schedules::Costs stage_costs(const std::vector<double>& layer_times,
 
 MPIPE_FUNC std::vector<double> stage_sums(const std::vector<double>& layer_values,
                                           const std::vector<int64_t>& sizes, double scale) {
-  check_costs(layer_values, "stage_sums");
+  balance_impl::check_costs(layer_values, "stage_sums");
   TORCH_CHECK(std::isfinite(scale) && scale >= 0,
               "mpipe::balance::stage_sums: scale must be finite and >= 0, got ", scale);
-  check_stage_sizes("stage_sums", layer_values.size(), sizes);
+  balance_impl::check_stage_sizes("stage_sums", layer_values.size(), sizes);
   std::vector<double> sums;
   size_t at = 0;
   for (int64_t n : sizes) {
@@ -278,7 +274,6 @@ MPIPE_FUNC std::vector<double> profile_bytes(torch::nn::Sequential layers, const
   return costs;
 }
 }  // namespace balance_impl
-using namespace balance_impl;
 
 MPIPE_FUNC ModelPipeline balanced(const torch::nn::Sequential& layers,
                                   const std::vector<DeviceArg>& devices,

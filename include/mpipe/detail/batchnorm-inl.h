@@ -27,7 +27,6 @@ struct DeferredBatchNormState {
 };
 
 }  // namespace batchnorm_impl
-using namespace batchnorm_impl;
 
 MPIPE_FUNC DeferredBatchNormImpl::DeferredBatchNormImpl(DeferredBatchNormOptions options_)
     : options(options_) {
@@ -107,12 +106,12 @@ MPIPE_FUNC void DeferredBatchNormImpl::commit() {
 
 MPIPE_FUNC std::any DeferredBatchNormImpl::save_state() const {
   c10::NoGradGuard no_grad;
-  return DeferredBatchNormState{mean_, m2_, count_, running_mean.clone(), running_var.clone(),
-                                num_batches_tracked.clone()};
+  return batchnorm_impl::DeferredBatchNormState{
+      mean_, m2_, count_, running_mean.clone(), running_var.clone(), num_batches_tracked.clone()};
 }
 
 MPIPE_FUNC void DeferredBatchNormImpl::load_state(const std::any& state) {
-  const auto& s = std::any_cast<const DeferredBatchNormState&>(state);
+  const auto& s = std::any_cast<const batchnorm_impl::DeferredBatchNormState&>(state);
   c10::NoGradGuard no_grad;
   mean_ = s.mean;
   m2_ = s.m2;

@@ -65,7 +65,6 @@ MPIPE_FUNC Tensors for_caller(Tensors out) {
 }
 
 }  // namespace calls_impl
-using namespace calls_impl;
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::forward_items(const std::vector<Input>& in,
                                                            int64_t rows, int64_t batch,
@@ -94,7 +93,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward_items(const std::vector<Inp
   }
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
-  return for_caller(detail::gather("forward", "micro-batch", n_stages - 1, outs, false, true));
+  return calls_impl::for_caller(
+      detail::gather("forward", "micro-batch", n_stages - 1, outs, false, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs,
@@ -105,7 +105,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
         const auto info = agree(call, "forward", [&] {
           detail::CallInfo c;
           c.batch = detail::split_batch("forward", inputs);
-          check_split("forward", split_size);
+          calls_impl::check_split("forward", split_size);
           c.rows = split_size;
           c.n_items = (c.batch - 1) / split_size + 1;
           return c;
@@ -116,16 +116,16 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
     });
   }
   const int64_t batch = detail::split_batch("forward", inputs);
-  check_split("forward", split_size);
+  calls_impl::check_split("forward", split_size);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
     return forward_items(in, split_size, batch, threaded, nullptr);
   };
   return guarded("forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {
       at::Tensor out = graphed_or_eager(
-          key_of("forward", split_size, false, inputs[0].tensor, self.is_training()),
+          calls_impl::key_of("forward", split_size, false, inputs[0].tensor, self.is_training()),
           inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-            return single("forward", eager({x}, threaded));
+            return calls_impl::single("forward", eager({x}, threaded));
           });
       if (out.defined()) return {out};
     }
@@ -212,7 +212,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, co
   };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
-  return for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
+  return calls_impl::for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs,
@@ -248,9 +248,9 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
   return guarded("constant_forward", [&]() -> Tensors {
     if (graphable_call && graphable(in[0])) {
       at::Tensor out = graphed_or_eager(
-          key_of("constant_forward", T, reduce, in[0], self.is_training(), chunk), in[0],
-          [&](const at::Tensor& x, bool threaded) {
-            return single("constant_forward",
+          calls_impl::key_of("constant_forward", T, reduce, in[0], self.is_training(), chunk),
+          in[0], [&](const at::Tensor& x, bool threaded) {
+            return calls_impl::single("constant_forward",
                           run_constant("constant_forward", {x}, T, reduce, chunk, threaded));
           });
       if (out.defined()) return {out};
@@ -287,7 +287,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_items(const std::vector<In
   };
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
-  return for_caller(outs.results("sequence_forward", n_stages - 1, /*stack=*/true));
+  return calls_impl::for_caller(outs.results("sequence_forward", n_stages - 1, /*stack=*/true));
 }
 
 namespace calls_impl {
@@ -302,7 +302,6 @@ MPIPE_FUNC int64_t sequence_length(const std::vector<Input>& inputs) {
   return T;
 }
 }  // namespace calls_impl
-using namespace calls_impl;
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs,
                                                               bool reduce, int64_t chunk,
@@ -312,7 +311,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
       return across("sequence_forward", [&](detail::RemoteCall& call) {
         const auto info = agree(call, "sequence_forward", [&] {
           detail::CallInfo c;
-          c.n_items = sequence_length(inputs);
+          c.n_items = calls_impl::sequence_length(inputs);
           c.reduce = reduce;
           c.chunk = resolve_chunk(chunk, c.n_items);
           return c;
@@ -322,18 +321,19 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
       });
     });
   }
-  const int64_t T = sequence_length(inputs);
+  const int64_t T = calls_impl::sequence_length(inputs);
   chunk = resolve_chunk(chunk, T);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
     return sequence_items(in, T, reduce, chunk, threaded, nullptr);
   };
   return guarded("sequence_forward", [&]() -> Tensors {
     if (graphable_call && graphable(inputs[0].tensor)) {
-      at::Tensor out = graphed_or_eager(
-          key_of("sequence_forward", 0, reduce, inputs[0].tensor, self.is_training(), chunk),
-          inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-            return single("sequence_forward", eager({x}, threaded));
-          });
+      at::Tensor out =
+          graphed_or_eager(calls_impl::key_of("sequence_forward", 0, reduce, inputs[0].tensor,
+                                              self.is_training(), chunk),
+                           inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
+                             return calls_impl::single("sequence_forward", eager({x}, threaded));
+                           });
       if (out.defined()) return {out};
     }
     return eager(inputs, self.options.worker_threads());

@@ -18,7 +18,10 @@
 //   counters exist once in the program, whatever the number of files that
 //   include mpipe;
 // - no anonymous namespaces: a file's helpers live in a namespace named after
-//   it (executor_impl, rng_impl, ...), or they would be copied per file;
+//   it (executor_impl, rng_impl, ...), or they would be copied per file.
+//   Outside mpipe::detail, code names them qualified (or through a
+//   using-directive inside a function), so that header-only mode adds no
+//   names to mpipe's public namespaces;
 // - the fused CUDA kernels (src/snn/fused_neuron.cu) need nvcc and stay in the
 //   compiled library: in header-only mode neurons on CUDA tensors run their
 //   ATen path (Note [Fused neurons]); the CPU loop is header code.

@@ -54,20 +54,19 @@ MPIPE_FUNC c10::Device check_usable(c10::Device device, const DeviceArg& arg) {
 }
 
 }  // namespace device_impl
-using namespace device_impl;
 
 MPIPE_FUNC c10::Device resolve_device(const DeviceArg& arg) {
-  if (arg.has_device_) return check_usable(arg.device_, arg);
+  if (arg.has_device_) return device_impl::check_usable(arg.device_, arg);
   if (arg.has_index_) {
     TORCH_CHECK(arg.index_ >= 0, "mpipe: GPU index must be >= 0, got ", arg.index_);
     TORCH_CHECK(arg.index_ < 128, "mpipe: GPU index ", arg.index_, " is out of range");
-    return check_usable(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(arg.index_)),
-                        arg);
+    return device_impl::check_usable(
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(arg.index_)), arg);
   }
   // The reference class takes a bare GPU number as a string ("2").
-  if (all_digits(arg.spec_)) {
+  if (device_impl::all_digits(arg.spec_)) {
     TORCH_CHECK(arg.spec_.size() <= 3, "mpipe: GPU index ", arg.describe(), " is out of range");
-    return check_usable(
+    return device_impl::check_usable(
         c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(arg.spec_))), arg);
   }
   std::optional<c10::Device> parsed;
@@ -77,7 +76,7 @@ MPIPE_FUNC c10::Device resolve_device(const DeviceArg& arg) {
   }
   TORCH_CHECK(parsed.has_value(), "mpipe: unknown device string ", arg.describe(),
               "; expected \"cpu\", \"cuda\", \"cuda:<index>\" or a GPU index such as \"0\"");
-  return check_usable(*parsed, arg);
+  return device_impl::check_usable(*parsed, arg);
 }
 
 }  // namespace mpipe

@@ -27,16 +27,21 @@ MPIPE_FUNC const ProcessGroup::Impl& get(const std::shared_ptr<ProcessGroup::Imp
   return *impl;
 }
 }  // namespace group_impl
-using namespace group_impl;
 
-MPIPE_FUNC int64_t ProcessGroup::rank() const { return get(impl_).rank; }
-MPIPE_FUNC int64_t ProcessGroup::world_size() const { return get(impl_).world; }
-MPIPE_FUNC int64_t ProcessGroup::replicas() const { return get(impl_).replicas; }
-MPIPE_FUNC int64_t ProcessGroup::replica() const { return get(impl_).replica(); }
-MPIPE_FUNC int64_t ProcessGroup::pipeline_rank() const { return get(impl_).pipeline_rank(); }
-MPIPE_FUNC int64_t ProcessGroup::pipeline_size() const { return get(impl_).pipeline_size(); }
-MPIPE_FUNC Backend ProcessGroup::backend() const { return get(impl_).backend; }
-MPIPE_FUNC std::chrono::milliseconds ProcessGroup::timeout() const { return get(impl_).timeout; }
+MPIPE_FUNC int64_t ProcessGroup::rank() const { return group_impl::get(impl_).rank; }
+MPIPE_FUNC int64_t ProcessGroup::world_size() const { return group_impl::get(impl_).world; }
+MPIPE_FUNC int64_t ProcessGroup::replicas() const { return group_impl::get(impl_).replicas; }
+MPIPE_FUNC int64_t ProcessGroup::replica() const { return group_impl::get(impl_).replica(); }
+MPIPE_FUNC int64_t ProcessGroup::pipeline_rank() const {
+  return group_impl::get(impl_).pipeline_rank();
+}
+MPIPE_FUNC int64_t ProcessGroup::pipeline_size() const {
+  return group_impl::get(impl_).pipeline_size();
+}
+MPIPE_FUNC Backend ProcessGroup::backend() const { return group_impl::get(impl_).backend; }
+MPIPE_FUNC std::chrono::milliseconds ProcessGroup::timeout() const {
+  return group_impl::get(impl_).timeout;
+}
 
 MPIPE_FUNC std::pair<int64_t, int64_t> ProcessGroup::stage_range(int64_t n_stages) const {
   const int64_t s = pipeline_size(), p = pipeline_rank();
@@ -59,12 +64,12 @@ MPIPE_FUNC std::string ProcessGroup::rank_path(const std::string& path) const {
 }
 
 MPIPE_FUNC void ProcessGroup::barrier() const {
-  get(impl_);
+  group_impl::get(impl_);
   detail::barrier(*this);
 }
 
 MPIPE_FUNC bool ProcessGroup::any(bool flag) const {
-  get(impl_);
+  group_impl::get(impl_);
   return detail::any_rank(*this, flag);
 }
 

@@ -30,9 +30,9 @@ MPIPE_FUNC std::string pad(const std::string& s, size_t width) {
 }
 
 }  // namespace memory_impl
-using namespace memory_impl;
 
 MPIPE_FUNC std::string MemoryReport::to_string() const {
+  using namespace memory_impl;
   std::ostringstream out;
   out << "mpipe memory report"
       << (last_call.empty() ? std::string() : " (allocator figures: last " + last_call + ")")

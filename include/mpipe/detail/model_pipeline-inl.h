@@ -137,47 +137,49 @@ MPIPE_FUNC at::Tensor only(const char* method, Tensors out) {
 }
 
 }  // namespace model_pipeline_impl
-using namespace model_pipeline_impl;
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
-  check_runnable(*this, "forward", x);
-  return only("forward", state_->forward({x}, split_size, /*graphable_call=*/true));
+  model_pipeline_impl::check_runnable(*this, "forward", x);
+  return model_pipeline_impl::only("forward",
+                                   state_->forward({x}, split_size, /*graphable_call=*/true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs,
                                               int64_t split_size) {
-  check_runnable(*this, "forward");
+  model_pipeline_impl::check_runnable(*this, "forward");
   return state_->forward(inputs, split_size, /*graphable_call=*/false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T,
                                                           bool reduce,
                                                           std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "constant_forward", x);
-  const int64_t chunk = chunk_of(*this, "constant_forward", time_chunk);
-  return only("constant_forward", state_->constant_forward({x}, T, reduce, chunk, true));
+  model_pipeline_impl::check_runnable(*this, "constant_forward", x);
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "constant_forward", time_chunk);
+  return model_pipeline_impl::only("constant_forward",
+                                   state_->constant_forward({x}, T, reduce, chunk, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>& inputs, int64_t T,
                                                        bool reduce,
                                                        std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "constant_forward");
-  const int64_t chunk = chunk_of(*this, "constant_forward", time_chunk);
+  model_pipeline_impl::check_runnable(*this, "constant_forward");
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "constant_forward", time_chunk);
   return state_->constant_forward(inputs, T, reduce, chunk, false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce,
                                                           std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "sequence_forward", x_seq, /*time_major=*/true);
-  const int64_t chunk = chunk_of(*this, "sequence_forward", time_chunk);
-  return only("sequence_forward", state_->sequence_forward({x_seq}, reduce, chunk, true));
+  model_pipeline_impl::check_runnable(*this, "sequence_forward", x_seq, /*time_major=*/true);
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "sequence_forward", time_chunk);
+  return model_pipeline_impl::only("sequence_forward",
+                                   state_->sequence_forward({x_seq}, reduce, chunk, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs,
                                                        bool reduce,
                                                        std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "sequence_forward");
-  const int64_t chunk = chunk_of(*this, "sequence_forward", time_chunk);
+  model_pipeline_impl::check_runnable(*this, "sequence_forward");
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "sequence_forward", time_chunk);
   return state_->sequence_forward(inputs, reduce, chunk, false);
 }
 
@@ -185,7 +187,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input,
                                                     const at::Tensor& target,
                                                     const LossFunction& loss_fn,
                                                     const TrainStepOptions& step) {
-  check_runnable(*this, "train_step", input);
+  model_pipeline_impl::check_runnable(*this, "train_step", input);
   return state_->train_step({input}, target, loss_fn, step, true);
 }
 
@@ -193,7 +195,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& in
                                                     const at::Tensor& target,
                                                     const LossFunction& loss_fn,
                                                     const TrainStepOptions& step) {
-  check_runnable(*this, "train_step");
+  model_pipeline_impl::check_runnable(*this, "train_step");
   return state_->train_step(inputs, target, loss_fn, step, false);
 }
 
@@ -201,8 +203,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x
                                                              const at::Tensor& target,
                                                              const LossFunction& loss_fn,
                                                              std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "constant_train_step", x);
-  const int64_t chunk = chunk_of(*this, "constant_train_step", time_chunk);
+  model_pipeline_impl::check_runnable(*this, "constant_train_step", x);
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "constant_train_step", time_chunk);
   return state_->constant_train_step({x}, T, target, loss_fn, chunk, true);
 }
 
@@ -210,8 +212,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<I
                                                              int64_t T, const at::Tensor& target,
                                                              const LossFunction& loss_fn,
                                                              std::optional<int64_t> time_chunk) {
-  check_runnable(*this, "constant_train_step");
-  const int64_t chunk = chunk_of(*this, "constant_train_step", time_chunk);
+  model_pipeline_impl::check_runnable(*this, "constant_train_step");
+  const int64_t chunk = model_pipeline_impl::chunk_of(*this, "constant_train_step", time_chunk);
   return state_->constant_train_step(inputs, T, target, loss_fn, chunk, false);
 }
 
@@ -298,10 +300,9 @@ MPIPE_FUNC void check_placement_kept(const std::vector<c10::Device>& devices, c1
   }
 }
 }  // namespace model_pipeline_impl
-using namespace model_pipeline_impl;
 
 MPIPE_FUNC void ModelPipelineImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
-  check_placement_kept(state_->devices, device, "to");
+  model_pipeline_impl::check_placement_kept(state_->devices, device, "to");
   to(dtype, non_blocking);
 }
 
@@ -312,7 +313,7 @@ MPIPE_FUNC void ModelPipelineImpl::to(torch::Dtype dtype, bool non_blocking) {
 }
 
 MPIPE_FUNC void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*/) {
-  check_placement_kept(state_->devices, device, "to");
+  model_pipeline_impl::check_placement_kept(state_->devices, device, "to");
 }
 
 MPIPE_FUNC void ModelPipelineImpl::load(torch::serialize::InputArchive& archive) {

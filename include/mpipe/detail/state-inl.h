@@ -14,21 +14,21 @@ namespace state_impl {
 MPIPE_INLINE_VAR thread_local MicroBatch current;
 MPIPE_INLINE_VAR thread_local bool recomputing = false;
 }  // namespace state_impl
-using namespace state_impl;
 
-MPIPE_FUNC bool is_recomputing() noexcept { return recomputing; }
-MPIPE_FUNC RecomputeGuard::RecomputeGuard() noexcept : previous_(recomputing) {
-  recomputing = true;
+MPIPE_FUNC bool is_recomputing() noexcept { return state_impl::recomputing; }
+MPIPE_FUNC RecomputeGuard::RecomputeGuard() noexcept : previous_(state_impl::recomputing) {
+  state_impl::recomputing = true;
 }
-MPIPE_FUNC RecomputeGuard::~RecomputeGuard() { recomputing = previous_; }
+MPIPE_FUNC RecomputeGuard::~RecomputeGuard() { state_impl::recomputing = previous_; }
 
-MPIPE_FUNC MicroBatch current_micro_batch() noexcept { return current; }
+MPIPE_FUNC MicroBatch current_micro_batch() noexcept { return state_impl::current; }
 
-MPIPE_FUNC MicroBatchGuard::MicroBatchGuard(MicroBatch micro_batch) noexcept : previous_(current) {
-  current = micro_batch;
+MPIPE_FUNC MicroBatchGuard::MicroBatchGuard(MicroBatch micro_batch) noexcept
+    : previous_(state_impl::current) {
+  state_impl::current = micro_batch;
 }
 
-MPIPE_FUNC MicroBatchGuard::~MicroBatchGuard() { current = previous_; }
+MPIPE_FUNC MicroBatchGuard::~MicroBatchGuard() { state_impl::current = previous_; }
 
 MPIPE_FUNC std::any Stateful::save_state() const {
   TORCH_CHECK(false, "mpipe::Stateful::save_state: this module does not support state "

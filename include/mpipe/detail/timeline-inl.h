@@ -129,7 +129,6 @@ MPIPE_FUNC std::string plural(const std::string& noun, int64_t n) {
 }
 
 }  // namespace timeline_impl
-using namespace timeline_impl;
 
 MPIPE_FUNC int64_t Timeline::rank_of(int64_t stage) const {
   return stage >= 0 && stage < static_cast<int64_t>(stage_ranks.size())
@@ -144,6 +143,7 @@ MPIPE_FUNC int64_t Timeline::n_ranks() const {
 }
 
 MPIPE_FUNC double Timeline::makespan_ms() const {
+  using namespace timeline_impl;
   if (tasks.empty()) return 0.0;
   double end = -std::numeric_limits<double>::infinity();
   for (const auto& t : tasks) end = std::max(end, t.end_ms);
@@ -151,6 +151,7 @@ MPIPE_FUNC double Timeline::makespan_ms() const {
 }
 
 MPIPE_FUNC double Timeline::bubble_fraction() const {
+  using namespace timeline_impl;
   const double span = makespan_ms();
   if (span <= 0 || n_ranks() <= 0) return 0.0;
   double busy = 0;
@@ -161,6 +162,7 @@ MPIPE_FUNC double Timeline::bubble_fraction() const {
 }
 
 MPIPE_FUNC std::string Timeline::to_chrome_trace() const {
+  using namespace timeline_impl;
   std::ostringstream out;
   out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"method\":\"" << json_escape(method)
       << "\",\"schedule\":\"" << json_escape(schedule) << "\",\"stages\":" << n_stages
@@ -190,6 +192,7 @@ MPIPE_FUNC std::string Timeline::to_chrome_trace() const {
 }
 
 MPIPE_FUNC std::string Timeline::to_svg() const {
+  using namespace timeline_impl;
   const double left = 150, right = 30, top = 58, row = 30, gap = 8, width = 1000;
   const double plot = width - left - right;
   const int64_t rows = n_ranks();
@@ -269,13 +272,14 @@ MPIPE_FUNC void write_file(const std::string& path, const std::string& text, con
   TORCH_CHECK(f.good(), "mpipe::Timeline::", what, ": writing '", path, "' failed");
 }
 }  // namespace timeline_impl
-using namespace timeline_impl;
 
 MPIPE_FUNC void Timeline::save_chrome_trace(const std::string& path) const {
+  using namespace timeline_impl;
   write_file(path, to_chrome_trace(), "save_chrome_trace");
 }
 
 MPIPE_FUNC void Timeline::save_svg(const std::string& path) const {
+  using namespace timeline_impl;
   write_file(path, to_svg(), "save_svg");
 }
 

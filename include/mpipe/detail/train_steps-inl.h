@@ -151,7 +151,6 @@ class ReplicaGradients {
 };
 
 }  // namespace train_steps_impl
-using namespace train_steps_impl;
 
 MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable(const char* method) const {
   for (size_t j = 0; j < stateful.size(); ++j) {
@@ -234,7 +233,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
   spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
     TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
                 " tensors; train_step's loss_fn takes one");
-    at::Tensor loss = call_loss(loss_fn, out[0], tgt[0]);
+    at::Tensor loss = train_steps_impl::call_loss(loss_fn, out[0], tgt[0]);
     TORCH_CHECK(loss.defined() && loss.numel() == 1,
                 "the loss function must return one value, got ",
                 loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
@@ -251,7 +250,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
   spec.input_requires_grad = requires_grad;
   spec.caller_tensors = detail::tensors_of(in);
   if (y.defined()) spec.caller_tensors.push_back(y);
-  ReplicaGradients replicas(self.parameters(), remote);  // data parallelism: what this step adds
+  train_steps_impl::ReplicaGradients replicas(self.parameters(),
+                                              remote);  // data parallelism: what this step adds
   execute(spec, threaded);
   at::Tensor loss_sum;
   if (last_rank) {  // the step's loss, on the last stage's stream, summed in micro-batch order
@@ -308,7 +308,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
                 "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
                 step.split_size());
     const int64_t n_stages = executor.n_total();
-    check_schedule(step, n_stages);
+    train_steps_impl::check_schedule(step, n_stages);
     TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
                 "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
                 step.loss_scale());
@@ -316,7 +316,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     std::vector<int64_t> labels;
     if (distributed()) {  // every process its own device, apart from this rank's stages
-      const auto mine = device_labels(devices);
+      const auto mine = train_steps_impl::device_labels(devices);
       for (int64_t s = 0; s < n_stages; ++s) {
         const int64_t local = s - executor.first_stage();
         labels.push_back(local >= 0 && local < static_cast<int64_t>(devices.size())
@@ -324,7 +324,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
                              : s);
       }
     } else {
-      labels = device_labels(devices);
+      labels = train_steps_impl::device_labels(devices);
     }
     c.schedule = static_cast<int64_t>(
         step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
@@ -352,7 +352,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
   if (distributed()) {
     return guarded("train_step", [&] {
       return across("train_step", [&](detail::RemoteCall& call) {
-        check_grad_mode("train_step");
+        train_steps_impl::check_grad_mode("train_step");
         if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
           check_checkpointable("train_step");
         }
@@ -368,7 +368,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
   const detail::CallInfo info = [&] {
     auto c = describe();
     check_target(c.batch);
-    check_grad_mode("train_step");
+    train_steps_impl::check_grad_mode("train_step");
     return c;
   }();
   bool any_grad = false;
@@ -413,7 +413,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     TORCH_CHECK(static_cast<bool>(loss_fn),
                 "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
   }
-  check_grad_mode("constant_train_step");
+  train_steps_impl::check_grad_mode("constant_train_step");
   if (distributed()) {
     return guarded("constant_train_step", [&] {
       reset_states(self);
@@ -453,7 +453,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
       // The loss and the backward call run on the last stage's stream, as in
       // train_step; the caller's stream waits for them below.
       c10::OptionalStreamGuard last_stage(executor.compute_stream(last));
-      loss = call_loss(loss_fn, outs[0], tgt, "constant_train_step");
+      loss = train_steps_impl::call_loss(loss_fn, outs[0], tgt, "constant_train_step");
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
                   "value, got ",
@@ -547,7 +547,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
     TORCH_CHECK(static_cast<bool>(loss_fn),
                 "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
   }
-  ReplicaGradients replicas(self.parameters(), &call);  // averaged: a mean loss
+  train_steps_impl::ReplicaGradients replicas(self.parameters(), &call);  // averaged: a mean loss
   call.boundary.record = true;
   const Tensors in = call.first() ? detail::tensors_of(inputs) : Tensors{};
   detail::BackwardPositions positions(call.first() ? in[0] : at::Tensor());
@@ -584,7 +584,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
       TORCH_CHECK(outs.size() == 1, "the last stage returned ", outs.size(),
                   " tensors; loss_fn takes one");
       c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
-      loss = call_loss(loss_fn, outs[0], target);
+      loss = train_steps_impl::call_loss(loss_fn, outs[0], target);
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "the loss function must return one value, got ",
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));

@@ -27,10 +27,10 @@
 namespace mpipe {
 namespace snn {
 
-namespace fused_neuron_impl {
+namespace detail {
+/// The fused-step CUDA kernels launched so far (fused_cuda_kernel_launches).
 MPIPE_INLINE_VAR std::atomic<int64_t> cuda_launches{0};
-}  // namespace fused_neuron_impl
-using namespace fused_neuron_impl;
+}  // namespace detail
 
 MPIPE_FUNC bool fused_cuda_kernels_built() noexcept {
 #ifdef MPIPE_CUDA_KERNELS
@@ -41,7 +41,7 @@ MPIPE_FUNC bool fused_cuda_kernels_built() noexcept {
 }
 
 MPIPE_FUNC int64_t fused_cuda_kernel_launches() noexcept {
-  return cuda_launches.load(std::memory_order_relaxed);
+  return detail::cuda_launches.load(std::memory_order_relaxed);
 }
 
 namespace detail {

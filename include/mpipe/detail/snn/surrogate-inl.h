@@ -41,7 +41,6 @@ struct SpikeFunction : torch::autograd::Function<SpikeFunction> {
 };
 
 }  // namespace surrogate_impl
-using namespace surrogate_impl;
 
 MPIPE_FUNC Surrogate::Surrogate(Kind kind, double alpha) : kind_(kind), alpha_(alpha) {
   TORCH_CHECK(alpha > 0 && std::isfinite(alpha),
@@ -49,12 +48,12 @@ MPIPE_FUNC Surrogate::Surrogate(Kind kind, double alpha) : kind_(kind), alpha_(a
 }
 
 MPIPE_FUNC at::Tensor Surrogate::operator()(const at::Tensor& x) const {
-  return SpikeFunction::apply(x, static_cast<int64_t>(kind_), alpha_);
+  return surrogate_impl::SpikeFunction::apply(x, static_cast<int64_t>(kind_), alpha_);
 }
 
 MPIPE_FUNC at::Tensor Surrogate::smooth(const at::Tensor& x) const {
   if (kind_ == Kind::Sigmoid) return at::sigmoid(x * alpha_);
-  return at::atan(x * (kPi / 2 * alpha_)) / kPi + 0.5;
+  return at::atan(x * (surrogate_impl::kPi / 2 * alpha_)) / surrogate_impl::kPi + 0.5;
 }
 
 MPIPE_FUNC at::Tensor Surrogate::derivative(const at::Tensor& x) const {
@@ -62,7 +61,7 @@ MPIPE_FUNC at::Tensor Surrogate::derivative(const at::Tensor& x) const {
     const at::Tensor s = at::sigmoid(x * alpha_);
     return s * (1 - s) * alpha_;
   }
-  const at::Tensor u = x * (kPi / 2 * alpha_);
+  const at::Tensor u = x * (surrogate_impl::kPi / 2 * alpha_);
   return (alpha_ / 2) / (u * u + 1);
 }
 
