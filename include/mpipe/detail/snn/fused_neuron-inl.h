@@ -268,11 +268,15 @@ MPIPE_FUNC NeuronSpec unpack(const std::vector<double>& p) {
   return s;
 }
 
-struct FusedNeuronStep : torch::autograd::Function<FusedNeuronStep> {
+// One autograd node per fused call, for one step (FusedNeuronStep) or for T
+// steps (FusedNeuronSteps): Forward returns (spike, v_next, h), Backward the
+// gradients of x and v; h is what backward needs.
+template <typename Self, auto Forward, auto Backward>
+struct FusedNeuronFunction : torch::autograd::Function<Self> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x, const at::Tensor& v,
                                                 const NeuronSpec& spec) {
-    std::vector<at::Tensor> out = step_forward(x, v, spec);
+    std::vector<at::Tensor> out = Forward(x, v, spec);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({out[2]});
     ctx->saved_data["spec"] = pack(spec);
@@ -282,29 +286,12 @@ struct FusedNeuronStep : torch::autograd::Function<FusedNeuronStep> {
                                                  torch::autograd::variable_list grads) {
     const at::Tensor h = ctx->get_saved_variables()[0];
     const NeuronSpec spec = unpack(ctx->saved_data["spec"].toDoubleVector());
-    std::vector<at::Tensor> g = step_backward(grads[0], grads[1], h, spec);
+    std::vector<at::Tensor> g = Backward(grads[0], grads[1], h, spec);
     return {g[0], g[1], at::Tensor()};
   }
 };
-
-struct FusedNeuronSteps : torch::autograd::Function<FusedNeuronSteps> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& x, const at::Tensor& v,
-                                                const NeuronSpec& spec) {
-    std::vector<at::Tensor> out = steps_forward(x, v, spec);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({out[2]});
-    ctx->saved_data["spec"] = pack(spec);
-    return {out[0], out[1]};
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const at::Tensor h = ctx->get_saved_variables()[0];
-    const NeuronSpec spec = unpack(ctx->saved_data["spec"].toDoubleVector());
-    std::vector<at::Tensor> g = steps_backward(grads[0], grads[1], h, spec);
-    return {g[0], g[1], at::Tensor()};
-  }
-};
+struct FusedNeuronStep : FusedNeuronFunction<FusedNeuronStep, step_forward, step_backward> {};
+struct FusedNeuronSteps : FusedNeuronFunction<FusedNeuronSteps, steps_forward, steps_backward> {};
 
 }  // namespace fused_neuron_impl
 using namespace fused_neuron_impl;
