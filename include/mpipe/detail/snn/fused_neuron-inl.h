@@ -80,6 +80,16 @@ MPIPE_FUNC int kernel_dtype(at::ScalarType t) {
     default: TORCH_CHECK(false, "mpipe::snn: the fused neuron step does not support ", t);
   }
 }
+
+/// One fused kernel on `device`'s current stream: `launch(stream)` starts it
+/// and returns CUDA's error text, or nullptr.
+template <typename Launch>
+void run_kernel(c10::Device device, const char* what, Launch launch) {
+  c10::cuda::CUDAGuard guard(device);
+  const char* err = launch(c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "mpipe::snn: fused ", what, " kernel: ", err);
+  cuda_launches.fetch_add(1, std::memory_order_relaxed);
+}
 #endif
 
 MPIPE_FUNC std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const at::Tensor& v_in,
@@ -95,12 +105,11 @@ MPIPE_FUNC std::vector<at::Tensor> step_forward(const at::Tensor& x_in, const at
   if (x.is_cuda()) {
     at::Tensor spike = at::empty_like(x), v_next = at::empty_like(x), h = at::empty_like(x);
     const int64_t n = x.numel();
-    c10::cuda::CUDAGuard guard(x.device());
-    const char* err = launch_neuron_forward(
-        kernel_dtype(x.scalar_type()), x.data_ptr(), v.data_ptr(), spike.data_ptr(),
-        v_next.data_ptr(), h.data_ptr(), n, spec, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron forward kernel: ", err);
-    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    run_kernel(x.device(), "neuron forward", [&](void* stream) {
+      return launch_neuron_forward(kernel_dtype(x.scalar_type()), x.data_ptr(), v.data_ptr(),
+                                   spike.data_ptr(), v_next.data_ptr(), h.data_ptr(), n, spec,
+                                   stream);
+    });
     return {spike, v_next, h};
   }
 #endif
@@ -118,13 +127,12 @@ MPIPE_FUNC std::vector<at::Tensor> step_backward(const at::Tensor& gs_in, const 
   if (h.is_cuda()) {
     at::Tensor gx = at::empty_like(h), gvp = at::empty_like(h);
     const int64_t n = h.numel();
-    c10::cuda::CUDAGuard guard(h.device());
-    const char* err = launch_neuron_backward(
-        kernel_dtype(h.scalar_type()), gs.defined() ? gs.data_ptr() : nullptr,
-        gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(), gx.data_ptr(), gvp.data_ptr(), n,
-        spec, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == nullptr, "mpipe::snn: fused neuron backward kernel: ", err);
-    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    run_kernel(h.device(), "neuron backward", [&](void* stream) {
+      return launch_neuron_backward(kernel_dtype(h.scalar_type()),
+                                    gs.defined() ? gs.data_ptr() : nullptr,
+                                    gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(),
+                                    gx.data_ptr(), gvp.data_ptr(), n, spec, stream);
+    });
     return {gx, gvp};
   }
 #endif
@@ -157,12 +165,11 @@ MPIPE_FUNC std::vector<at::Tensor> steps_forward(const at::Tensor& x_in, const a
   const int64_t T = x.size(0), n = v0.numel();
 #ifdef MPIPE_CUDA_KERNELS
   if (x.is_cuda()) {
-    c10::cuda::CUDAGuard guard(x.device());
-    const char* err = launch_neuron_forward_steps(
-        kernel_dtype(x.scalar_type()), x.data_ptr(), v0.data_ptr(), spike.data_ptr(),
-        v_last.data_ptr(), h.data_ptr(), T, n, spec, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == nullptr, "mpipe::snn: fused multi-step neuron forward kernel: ", err);
-    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    run_kernel(x.device(), "multi-step neuron forward", [&](void* stream) {
+      return launch_neuron_forward_steps(kernel_dtype(x.scalar_type()), x.data_ptr(),
+                                         v0.data_ptr(), spike.data_ptr(), v_last.data_ptr(),
+                                         h.data_ptr(), T, n, spec, stream);
+    });
     return {spike, v_last, h};
   }
 #endif
@@ -209,13 +216,12 @@ MPIPE_FUNC std::vector<at::Tensor> steps_backward(const at::Tensor& gs_in, const
   const int64_t n = gv0.numel();
 #ifdef MPIPE_CUDA_KERNELS
   if (h.is_cuda()) {
-    c10::cuda::CUDAGuard guard(h.device());
-    const char* err = launch_neuron_backward_steps(
-        kernel_dtype(h.scalar_type()), gs.defined() ? gs.data_ptr() : nullptr,
-        gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(), gx.data_ptr(), gv0.data_ptr(), T,
-        n, spec, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == nullptr, "mpipe::snn: fused multi-step neuron backward kernel: ", err);
-    cuda_launches.fetch_add(1, std::memory_order_relaxed);
+    run_kernel(h.device(), "multi-step neuron backward", [&](void* stream) {
+      return launch_neuron_backward_steps(kernel_dtype(h.scalar_type()),
+                                          gs.defined() ? gs.data_ptr() : nullptr,
+                                          gv.defined() ? gv.data_ptr() : nullptr, h.data_ptr(),
+                                          gx.data_ptr(), gv0.data_ptr(), T, n, spec, stream);
+    });
     return {gx, gv0};
   }
 #endif
