@@ -19,10 +19,12 @@ supp="$PWD/scripts/sanitizers"
 
 for mode in "${modes[@]}"; do
   case "$mode" in
+    # asan: -O1 -g1 (line tables), as ASan advises; it halves the compile time
+    # of the header-only test files, each of which compiles the implementation.
     asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=ON) ;;
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=ON "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG") ;;
     tsan) flags="-fsanitize=thread"
-          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=OFF) ;;
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=OFF "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g -DNDEBUG") ;;
     *) echo "sanitize.sh: unknown mode '$mode' (asan or tsan)" >&2; exit 2 ;;
   esac
   build="build-$mode"
