@@ -215,6 +215,17 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, co
   return calls_impl::for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
 }
 
+MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
+    const char* method, const std::vector<Input>& inputs, int64_t T, int64_t chunk) const {
+  detail::batch_size(method, inputs, 0);
+  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::", method,
+              ": T (the number of time steps) must be positive, got ", T);
+  detail::CallInfo c;
+  c.n_items = T;
+  c.chunk = resolve_chunk(chunk, T);
+  return c;
+}
+
 MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs,
                                                               int64_t T, bool reduce, int64_t chunk,
                                                               bool graphable_call) {
@@ -224,13 +235,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
     return guarded("constant_forward", [&] {
       return across("constant_forward", [&](detail::RemoteCall& call) {
         const auto info = agree(call, "constant_forward", [&] {
-          detail::batch_size("constant_forward", inputs, 0);
-          TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time "
-                      "steps) must be positive, got ", T);
-          detail::CallInfo c;
-          c.n_items = T;
+          detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk);
           c.reduce = reduce;
-          c.chunk = resolve_chunk(chunk, T);
           return c;
         });
         return run_constant("constant_forward",

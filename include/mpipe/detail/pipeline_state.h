@@ -70,6 +70,10 @@ struct ModelPipelineImpl::State {
   /// `chunk`: steps per stage call with multi-step stages, 0 for single
   /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
   int64_t resolve_chunk(int64_t chunk, int64_t T) const;
+  /// The first rank's checks of a time-step call across processes, and the
+  /// CallInfo it announces (T steps in chunks of resolve_chunk(chunk, T)).
+  detail::CallInfo constant_call_info(const char* method, const std::vector<Input>& inputs,
+                                      int64_t T, int64_t chunk) const;
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
                            int64_t chunk, bool graphable_call);
   Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,

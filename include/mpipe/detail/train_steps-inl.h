@@ -532,15 +532,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
     detail::RemoteCall& call, const std::vector<Input>& inputs, int64_t T, const at::Tensor& target,
     const LossFunction& loss_fn, int64_t chunk) {
-  const auto info = agree(call, "constant_train_step", [&] {
-    detail::batch_size("constant_train_step", inputs, 0);
-    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_train_step: T (the number of time "
-                "steps) must be positive, got ", T);
-    detail::CallInfo c;
-    c.n_items = T;
-    c.chunk = resolve_chunk(chunk, T);
-    return c;
-  });
+  const auto info = agree(call, "constant_train_step",
+                          [&] { return constant_call_info("constant_train_step", inputs, T, chunk); });
   const detail::TimeChunks chunks{info.n_items, info.chunk};
   const int64_t n_items = chunks.count();
   if (call.last()) {
