@@ -177,11 +177,12 @@ class ModelPipelineImpl : public torch::nn::Module {
 
   /// One training step. Splits `input` and `target` along dim 0 into
   /// micro-batches of step.split_size() rows, runs every stage's forwards and
-  /// backwards under step.schedule() (GPipe or 1F1B), with activation
-  /// checkpointing as options.checkpoint says, and accumulates into every
-  /// parameter's .grad (as backward() would) the gradient of the full-batch
-  /// loss: the mean over the batch when `loss_fn` returns the mean over the
-  /// rows it is given (LossReduction::Mean, the default), or the sum
+  /// backwards under step.schedule() (GPipe, OneFOneB, Interleaved1F1B,
+  /// ZeroBubbleH1, or Auto's choice among them: mpipe/training.h), with
+  /// activation checkpointing as options.checkpoint says, and accumulates
+  /// into every parameter's .grad (as backward() would) the gradient of the
+  /// full-batch loss: the mean over the batch when `loss_fn` returns the mean
+  /// over the rows it is given (LossReduction::Mean, the default), or the sum
   /// (LossReduction::Sum). If `input` requires grad, its gradient is
   /// accumulated too. Returns that loss, detached, on the output device.
   /// Optimizer steps stay with the caller. See Note [Training runtime].
