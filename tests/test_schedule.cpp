@@ -301,3 +301,44 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   EXPECT_THROW(mpipe::choose_schedule(8, 4, TrainStepOptions(1).activation_bytes({1})),
                std::invalid_argument);
 }
+
+// The one-device cases of Note [Choosing a schedule], with its numbers.
+TEST(ScheduleChoice, OnOneDeviceMemoryDecidesUntilHandOffsCost) {
+  using mpipe::Schedule;
+  using mpipe::TrainStepOptions;
+  const std::vector<int64_t> one = {0, 0, 0, 0};
+  // virtual_stages 1: all take the sum (8 micro-batches x 4 stages x 3 units),
+  // 1F1B holds the fewest; with one micro-batch all hold the same: GPipe.
+  auto c = mpipe::choose_schedule(8, 4, TrainStepOptions(1), one);
+  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  c = mpipe::choose_schedule(1, 4, TrainStepOptions(1), one);
+  for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.peak_in_flight, 4);
+  EXPECT_EQ(c.schedule, Schedule::GPipe);
+  // virtual_stages 2: interleaving is counted as holding fewer, 8 to 10.
+  c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).virtual_stages(2), one);
+  ASSERT_EQ(c.candidates.size(), 4u);
+  for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.time, 8 * 4 * 3);
+  EXPECT_DOUBLE_EQ(c.candidates[1].peak_in_flight, 10);
+  EXPECT_DOUBLE_EQ(c.candidates[3].peak_in_flight, 8);
+  EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
+  // ... but not with few micro-batches: 8 stages, 2 chunks per worker, 2 to 5
+  // micro-batches pick 1F1B.
+  const std::vector<int64_t> one8(8, 0);
+  for (int64_t m = 2; m <= 5; ++m) {
+    EXPECT_EQ(mpipe::choose_schedule(m, 8, TrainStepOptions(1).virtual_stages(2), one8).schedule,
+              Schedule::OneFOneB)
+        << m << " micro-batches";
+  }
+  EXPECT_EQ(mpipe::choose_schedule(6, 8, TrainStepOptions(1).virtual_stages(2), one8).schedule,
+            Schedule::Interleaved1F1B);
+  // A hand-off cost makes the device wait, and the times differ.
+  c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).stage_costs({{1, 1, 1, 1}}), one);
+  EXPECT_DOUBLE_EQ(c.candidates[0].time, 96);
+  EXPECT_DOUBLE_EQ(c.candidates[1].time, 98);
+  EXPECT_DOUBLE_EQ(c.candidates[2].time, 96);
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
+  c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).stage_costs({{1, 1, 1, 3}}), one);
+  EXPECT_DOUBLE_EQ(c.candidates[0].time, 99);
+  EXPECT_DOUBLE_EQ(c.candidates[1].time, 102);
+  EXPECT_EQ(c.schedule, Schedule::GPipe);
+}

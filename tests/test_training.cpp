@@ -445,10 +445,12 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
       pipe->train_step(x, torch::randn({4, 2}), loss_fn,
                        TrainStepOptions(2).schedule(Schedule::Interleaved1F1B).virtual_stages(0)),
       "virtual_stages must be >= 1, got 0");
-  MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
-                                      TrainStepOptions(2).schedule(Schedule::OneFOneB).virtual_stages(2)),
-                     "virtual_stages=2 applies to Schedule::Interleaved1F1B and Schedule::Auto",
-                     "not 1F1B");
+  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+    MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
+                                        TrainStepOptions(2).schedule(s).virtual_stages(2)),
+                       "virtual_stages=2 applies to Schedule::Interleaved1F1B and Schedule::Auto",
+                       std::string("not ") + mpipe::to_string(s));
+  }
   MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
                                       TrainStepOptions(2).schedule(Schedule::Auto).stage_costs(
                                           {{1, 1, 1, 0}, {1, 1, 1, 0}, {1, 1, 1, 0}})),
@@ -600,7 +602,7 @@ TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
 
 namespace {
 
-/// train_step against the plain model on `devices`, for both schedules and
+/// train_step against the plain model on `devices`, for every schedule and
 /// every checkpointing mode.
 void check_train_step(const std::vector<torch::Device>& devices) {
   torch::manual_seed(13);

@@ -76,7 +76,11 @@ struct TrainStepOptions {
   TORCH_ARG(Schedule, schedule) = Schedule::GPipe;
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
   /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it
-  /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B.
+  /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B. train_step
+  /// refuses a value below 1, one that does not divide the stage count, and
+  /// any value other than 1 with GPipe, OneFOneB or ZeroBubbleH1 (they run a
+  /// worker per stage). With Auto, a value above 1 adds Interleaved1F1B to
+  /// the candidates (Note [Choosing a schedule]).
   TORCH_ARG(int64_t, virtual_stages) = 1;
   /// Auto: what one micro-batch's operations cost on each stage (one entry
   /// for all stages, or one per stage; empty: equal stages), e.g. from
@@ -132,11 +136,26 @@ struct ScheduleChoice {
 // activation memory is the sum of activation_bytes over the (stage,
 // micro-batch) pairs between their forward and their backward (for ZB-H1,
 // their weight gradient); a device's is the sum over its workers, and its
-// peak must not exceed memory_limit. Candidates: GPipe, 1F1B and ZB-H1, and
-// Interleaved1F1B when virtual_stages > 1. The fastest that fits wins; among
-// equally fast ones (on one device every schedule takes the sum of its
-// operations), the one holding the fewest bytes, then the fewest activations,
-// then the earlier in that list. If none fits, the one with the least peak.
+// peak must not exceed memory_limit. Candidates, in this order: GPipe, 1F1B
+// and ZB-H1, and Interleaved1F1B when virtual_stages > 1. The fastest that
+// fits wins (times within a relative 1e-9 count as equal); among equally fast
+// ones, the one with the fewest peak bytes, then the fewest peak activations,
+// then the earlier in that list. If none fits, the one with the least peak
+// bytes (the earlier among equals).
+//
+// Stages sharing one device: while no hand-off costs anything (transfer 0)
+// the device never waits, so every candidate takes the sum of its operations
+// and memory decides. With virtual_stages 1 that is 1F1B, which holds fewer
+// activations than GPipe and ZB-H1 from two micro-batches on (with one, all
+// hold the same and GPipe wins). With virtual_stages > 1 it is usually
+// Interleaved1F1B, which the model counts as holding fewer still (8 against
+// 1F1B's 10 for 8 micro-batches on 4 stages, 2 chunks per worker); with few
+// micro-batches 1F1B holds as few or fewer and wins (on 8 stages with 2
+// chunks per worker: 2 to 5 micro-batches). A hand-off cost makes the device
+// wait for hand-offs, and then the times differ: 8 micro-batches on 4 stages
+// with forward = backward_input = backward_weight = transfer = 1 take 96
+// units under GPipe and ZB-H1 and 98 under 1F1B, and ZB-H1 (fewer activations
+// than GPipe) wins; with transfer 3, GPipe takes 99 units against 102 and wins.
 // Limits: parameters and optimizer state are not counted (they do not depend
 // on the schedule); the costs are what the caller measured (e.g.
 // balance::profile_time on one sample), and a GPU that overlaps two streams'
