@@ -7,6 +7,7 @@
 
 #include <mpipe/mpipe.h>
 
+#include <functional>
 #include <tuple>
 
 using namespace mpipe_test;
@@ -344,7 +345,7 @@ INSTANTIATE_TEST_SUITE_P(Cpu, MultiTensor, ::testing::Values(false, true),
 // "enc0" for stage 3, stage 1 stashes "enc1" for stage 2 and one name it pops
 // itself; stage 2 keeps a state per micro-batch.
 
-enum class SkipFault { None, PopMissing, StashTwice, NeverPopped };
+enum class SkipFault { None, PopMissing, StashTwice, NeverPopped, OwnNeverPopped, LastStashes };
 
 struct Down0Impl : torch::nn::Module {
   Down0Impl() { fc = register_module("fc", torch::nn::Linear(W, W)); }
@@ -367,6 +368,7 @@ struct Down1Impl : torch::nn::Module {
     mpipe::stash("enc1", h);
     mpipe::stash("own", h * h);  // popped by this stage itself
     if (*fault == SkipFault::StashTwice) mpipe::stash("enc0", h);
+    if (*fault == SkipFault::OwnNeverPopped) return torch::tanh(fc2(h));
     return torch::tanh(fc2(h)) + mpipe::pop("own");
   }
   torch::nn::Linear fc{nullptr}, fc2{nullptr};
@@ -390,6 +392,7 @@ struct Up3Impl : torch::nn::Module {
   Up3Impl() { fc = register_module("fc", torch::nn::Linear(W, 2)); }
   torch::Tensor forward(const torch::Tensor& x) {
     if (*fault == SkipFault::NeverPopped) return fc(x);
+    if (*fault == SkipFault::LastStashes) mpipe::stash("tail", x);
     return fc(x + mpipe::pop("enc0").to(x.device()));
   }
   torch::nn::Linear fc{nullptr};
@@ -425,7 +428,7 @@ struct UNet {
   ModelPipeline pipe{nullptr};
 };
 
-/// Checks forward, both schedules of train_step and the time-step calls of
+/// Checks forward, every schedule of train_step and the time-step calls of
 /// `net` against its plain run.
 void expect_unet_equals_plain(UNet& net, double tol) {
   const auto in_dev = net.devices.front(), out_dev = net.devices.back();
@@ -452,7 +455,7 @@ void expect_unet_equals_plain(UNet& net, double tol) {
         },
         tol);
   }
-  // train_step: both schedules (the pipeline's checkpoint mode applies).
+  // train_step: every schedule (the pipeline's checkpoint mode applies).
   for (Schedule schedule : all_schedules()) {
     SCOPED_TRACE("train_step, schedule " + schedule_name(schedule));
     auto x2 = leaf_copy(x);
@@ -571,7 +574,54 @@ TEST_P(Skips, WrongUseNamesTheStagesAndThePipelineStaysUsable) {
   both_calls(SkipFault::PopMissing, {"stage 2", "pop('nowhere')", "no earlier stage stashed",
                                      " 0 of "});
   both_calls(SkipFault::StashTwice, {"stage 1", "stash('enc0')", "stage 0 already stashed"});
-  both_calls(SkipFault::NeverPopped, {"stage 3", "stage 0 stashed 'enc0'", "no later stage popped"});
+  // A stash nobody popped is its stasher's error, found after the item's last
+  // stage: the message names the stasher, the name and the item, not the
+  // stage or the loss where it was found.
+  const std::string never = "but no stage popped it (neither stage ";
+  both_calls(SkipFault::NeverPopped,
+             {"stage 0 (on cpu) stashed 'enc0' for ", never + "0 itself nor a later stage did"});
+  both_calls(SkipFault::OwnNeverPopped,
+             {"stage 1 (on cpu) stashed 'own' for ", never + "1 itself nor a later stage did"});
+  both_calls(SkipFault::LastStashes, {"stage 3 (on cpu) stashed 'tail' for ",
+                                      "but no stage popped it (stage 3 did not, and no stage "
+                                      "follows it; each stash is popped once"});
+  // The whole message, from its start.
+  auto message_of = [&](SkipFault f, const std::function<void()>& call) {
+    *net.fault = f;
+    std::string msg;
+    try {
+      call();
+    } catch (const c10::Error& e) {
+      msg = e.what_without_backtrace();
+    }
+    mpipe::reset_states(*net.pipe);
+    zero_grads(*net.pipe);
+    *net.fault = SkipFault::None;
+    EXPECT_EQ(msg.find("loss"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("failed at"), std::string::npos) << msg;
+    return msg;
+  };
+  auto starts_with = [](const std::string& msg, const std::string& start) {
+    return msg.compare(0, start.size(), start) == 0;
+  };
+  std::string msg = message_of(SkipFault::NeverPopped, [&] {
+    net.pipe->train_step(x, target, mse, TrainStepOptions(2));
+  });
+  EXPECT_TRUE(starts_with(msg, "mpipe::ModelPipeline::train_step: stage 0 (on cpu) stashed 'enc0' "
+                               "for micro-batch 0 of 2, but no stage popped it (neither stage 0 "
+                               "itself nor a later stage did; each stash is popped once, by the "
+                               "stashing stage or a later one)"))
+      << msg;
+  msg = message_of(SkipFault::OwnNeverPopped, [&] { net.pipe->constant_forward(x, 2); });
+  EXPECT_TRUE(starts_with(msg, "mpipe::ModelPipeline::constant_forward: stage 1 (on cpu) stashed "
+                               "'own' for time step 0 of 2, but no stage popped it (neither "
+                               "stage 1 itself nor a later stage did;"))
+      << msg;
+  msg = message_of(SkipFault::LastStashes, [&] { net.pipe->forward(x, 2); });
+  EXPECT_TRUE(starts_with(msg, "mpipe::ModelPipeline::forward: stage 3 (on cpu) stashed 'tail' "
+                               "for micro-batch 0 of 2, but no stage popped it (stage 3 did not, "
+                               "and no stage follows it;"))
+      << msg;
   // After every failure, the next calls are exact again.
   expect_unet_equals_plain(net, 1e-12);
 }

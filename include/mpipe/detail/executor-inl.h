@@ -165,6 +165,12 @@ MPIPE_FUNC at::Tensor grad_of(const at::Tensor& leaf) {
   return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
 }
 
+/// An error that already says what happened and where: run_action reports it
+/// as it is instead of as a failure of the action that found it.
+struct DescribedFailure {
+  std::exception_ptr error;
+};
+
 }  // namespace executor_impl
 using namespace executor_impl;
 
@@ -361,6 +367,24 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     if (call.backward_positions) call.backward_positions->tag(j, i, out[k]);
   }
   if (last) {
+    // Every stage ran item i: a stash no stage popped is an error of its
+    // stasher, not of this stage's loss or output (Note [Skip connections]).
+    const auto unpopped = run.skips.unpopped(i);
+    if (unpopped.second >= 0) {
+      const int64_t s = unpopped.second;
+      const bool here = s >= first_ && local(s) < stages_.size();  // else on another rank
+      try {
+        TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", s,
+                    here ? c10::str(" (on ", place(s).device, rank_, ")") : std::string(),
+                    " stashed '", unpopped.first, "' for ", call.item_name, " ", i, " of ",
+                    call.n_items, call.time_chunks.steps_of(i), ", but no stage popped it (",
+                    s == j ? c10::str("stage ", s, " did not, and no stage follows it")
+                           : c10::str("neither stage ", s, " itself nor a later stage did"),
+                    "; each stash is popped once, by the stashing stage or a later one)");
+      } catch (...) {
+        throw DescribedFailure{std::current_exception()};
+      }
+    }
     if (call.training) {
       Tensors targets = run.from_caller(j, i, call.target(i));
       if (ckpt) {
@@ -374,7 +398,6 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     } else {
       call.sink(i, std::move(out));
     }
-    run.skips.check_all_popped(i);
     return;
   }
   if (sv && !ckpt) sv->outputs = out;
@@ -546,6 +569,9 @@ MPIPE_FUNC bool Executor::run_action(Run& run, const schedules::Op& op) {
     }
     return true;
   } catch (const Aborted&) {  // the call failed elsewhere
+    return false;
+  } catch (const DescribedFailure& f) {
+    run.fail(f.error);
     return false;
   } catch (...) {
     run.fail(describe_failure(*run.call, phase, j, i));

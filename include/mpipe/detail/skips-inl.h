@@ -34,8 +34,12 @@ namespace detail {
 // Routes are not declared: the table learns them as the call runs, and the
 // checks follow from that: a pop that finds no stash, a second stash of a name
 // for one item, and (once an item's last stage ran) a stash nobody popped are
-// errors naming the stages. A transport between processes will need the routes
-// before the call; that issue will add their declaration.
+// errors naming the stages. The last is found at the item's last stage but
+// is the stasher's doing: its error names the stasher, the name and the item
+// (Executor::forward_action), not the stage or phase where it was found.
+// Across processes the routes are not declared either: a skip still unpopped
+// travels with its item's activations to the next rank (Note [Cross-process
+// calls] in remote-inl.h).
 
 MPIPE_FUNC void SkipTable::stash(const std::string& name, int64_t item, int64_t stage) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -58,12 +62,12 @@ MPIPE_FUNC int64_t SkipTable::pop(const std::string& name, int64_t item, int64_t
   return it->second.stasher;
 }
 
-MPIPE_FUNC void SkipTable::check_all_popped(int64_t item) const {
+MPIPE_FUNC std::pair<std::string, int64_t> SkipTable::unpopped(int64_t item) const {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& e : entries_) {
-    TORCH_CHECK(e.first.second != item || e.second.popper >= 0, "stage ", e.second.stasher,
-                " stashed '", e.first.first, "', but no later stage popped it");
+    if (e.first.second == item && e.second.popper < 0) return {e.first.first, e.second.stasher};
   }
+  return {std::string(), -1};
 }
 
 namespace skips_impl {

@@ -22,8 +22,9 @@ class SkipTable {
   /// Stage `stage` pops `name` for `item`: the stage that stashed it; refused
   /// when none did or it was popped already.
   int64_t pop(const std::string& name, int64_t item, int64_t stage);
-  /// Refuses the item's stashes that no stage popped (its last stage ran).
-  void check_all_popped(int64_t item) const;
+  /// One of the item's stashes that no stage popped, as (name, stasher), or
+  /// a stasher of -1 when every stash was popped (ask once its last stage ran).
+  std::pair<std::string, int64_t> unpopped(int64_t item) const;
 
  private:
   struct Entry {
