@@ -119,15 +119,17 @@ class TimeStepOutputs {
         steps_(reduce ? 1 : static_cast<size_t>(chunks.multi() ? chunks.count() : T)) {}
   /// Chunk i's outputs, each [k_i, ...] (checked). Summed step by step, in
   /// the order single steps make them, so every k gives the same result.
-  void add_chunk(const char* method, int64_t last_stage, int64_t i, Tensors out) {
+  /// Runs in the last stage's action, whose error already names the call,
+  /// the stage and the chunk with its steps (Executor::describe_failure):
+  /// the messages here do not repeat them, so `method` and `last_stage` go
+  /// unused.
+  void add_chunk(const char* /*method*/, int64_t /*last_stage*/, int64_t i, Tensors out) {
     const int64_t k = chunks_.size(i);
     for (size_t o = 0; o < out.size(); ++o) {
       const at::Tensor& y = out[o];
-      TORCH_CHECK(y.defined() && y.dim() >= 1 && y.size(0) == k, "mpipe::ModelPipeline::",
-                  method, ": stage ", last_stage, " returned ",
+      TORCH_CHECK(y.defined() && y.dim() >= 1 && y.size(0) == k, "the stage returned ",
                   y.defined() ? c10::str("shape ", y.sizes()) : std::string("an undefined tensor"),
                   out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
-                  " for time chunk ", i, chunks_.steps_of(i),
                   "; a multi-step stage returns [k, N, ...] with k = ", k,
                   " steps along dim 0");
     }
