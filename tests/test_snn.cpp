@@ -414,6 +414,55 @@ TEST(Encoding, PoissonEncoderFiresAtTheGivenRate) {
   MPIPE_EXPECT_ERROR(mpipe::snn::poisson_encode(torch::tensor({-0.5, 0.5})), "-0.5");
 }
 
+namespace {
+/// What poisson_encode(x) refuses with (empty: it accepts x).
+std::string poisson_error(const torch::Tensor& x) {
+  try {
+    mpipe::snn::poisson_encode(x);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+/// One rule on every device: values outside [0, 1] (or NaN) are refused
+/// with the same message, in every floating dtype; [0, 1] itself is fine.
+void expect_poisson_range_checked(const torch::Device& device) {
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(std::string(device.str()) + ", " + c10::toString(dtype));
+    const auto opts = torch::TensorOptions().dtype(dtype).device(device);
+    EXPECT_EQ(poisson_error(torch::tensor({0.0, 0.25, 1.0}, opts)), "");
+    EXPECT_EQ(poisson_error(torch::empty({0}, opts)), "");
+    EXPECT_EQ(poisson_error(torch::tensor({0.5, 1.5, 0.25}, opts)),
+              "mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [0.25, 1.5]");
+    EXPECT_EQ(poisson_error(torch::tensor({{-0.5, 0.5}, {0.75, 1.0}}, opts)),
+              "mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [-0.5, 1]");
+    const std::string nan = poisson_error(torch::tensor({0.5, std::nan("")}, opts));
+    EXPECT_EQ(nan.rfind("mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [", 0), 0u)
+        << nan;
+    EXPECT_NE(nan.find("nan"), std::string::npos) << nan;
+  }
+}
+}  // namespace
+
+TEST(Encoding, PoissonEncoderRefusesValuesOutsideZeroOne) {
+  expect_poisson_range_checked(torch::kCPU);
+}
+
+TEST(Encoding, PoissonEncoderRefusesValuesOutsideZeroOne_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  expect_poisson_range_checked(torch::Device("cuda:0"));
+  // A graphed call reads nothing back while it is captured: a PoissonEncoder
+  // stage is captured and replayed like any other (its eager warm-up checks).
+  auto pipe = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
+  pipe->append(mpipe::snn::PoissonEncoder(), "cuda:0");
+  pipe->append(mlp_stage(8, 4), "cuda:0");
+  torch::NoGradGuard no_grad;
+  auto x = torch::rand({6, 8}, torch::Device("cuda:0"));
+  for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(pipe->forward(x, 3).sizes(), (torch::IntArrayRef{6, 4}));
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+}
+
 TEST(Encoding, RateDecoding) {
   auto summed = torch::tensor({{2.0, 4.0, 0.0}, {1.0, 0.0, 3.0}});
   auto rate = mpipe::snn::rate_from_sum(summed, 4);

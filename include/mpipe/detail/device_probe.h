@@ -1,8 +1,9 @@
 #pragma once
 
-// Private: what the timeline and the memory report read from devices. CUDA
-// builds implement it in device_probe_cuda-inl.h; CPU-only builds get the
-// answers "no device timing" and "no allocator counters".
+// Private: what the timeline, the memory report and snn::poisson_encode read
+// from devices. CUDA builds implement it in device_probe_cuda-inl.h; CPU-only
+// builds get the answers "no device timing", "no allocator counters" and
+// "not capturing".
 
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
@@ -30,6 +31,10 @@ struct AllocatorCounters {
 };
 AllocatorCounters allocator_counters(c10::Device device);
 void reset_allocator_peak(c10::Device device);
+
+/// Whether `device`'s current stream is capturing a CUDA graph (nothing may be
+/// read back to the host then); false for other devices and without CUDA.
+bool capturing_graph(c10::Device device);
 
 }  // namespace detail
 }  // namespace mpipe

@@ -6,6 +6,7 @@
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -43,6 +44,14 @@ MPIPE_FUNC void reset_allocator_peak(c10::Device device) {
   if (!device.is_cuda()) return;
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
                                                                      : c10::cuda::current_device());
+}
+
+MPIPE_FUNC bool capturing_graph(c10::Device device) {
+  if (!device.is_cuda()) return false;
+  const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace detail

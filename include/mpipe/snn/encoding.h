@@ -16,10 +16,14 @@ namespace mpipe {
 namespace snn {
 
 /// Poisson (Bernoulli-per-step) encoding: 1 where uniform noise < x, else 0,
-/// in x's dtype. x holds firing probabilities in [0, 1]. On the CPU a value
-/// outside is refused; on a GPU it is not checked (the check would sync the
-/// host and prevent CUDA-graph capture): there values below 0 never fire and
-/// values above 1 always fire.
+/// in x's dtype. x holds firing probabilities in [0, 1]: on every device a
+/// value outside (or NaN) is refused with the same c10::Error ("x must lie in
+/// [0, 1], got values in [min, max]"). The check is one reduction
+/// (at::aminmax) whose two values are read back together: on a GPU that costs
+/// a host sync per call. A CUDA graph being captured cannot read anything
+/// back, so its capture leaves the check out and its replays do not check
+/// (there a value below 0 never fires and one above 1 always fires); the
+/// eager calls around it, such as the warm-up before a capture, do.
 at::Tensor poisson_encode(const at::Tensor& x);
 
 // The module form, PoissonEncoder, is in mpipe/snn/poisson_encoder.h.

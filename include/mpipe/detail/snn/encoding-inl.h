@@ -3,6 +3,7 @@
 #include "mpipe/detail/config.h"
 
 #include "mpipe/snn/encoding.h"
+#include "mpipe/detail/device_probe.h"
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -14,12 +15,19 @@ namespace snn {
 MPIPE_FUNC at::Tensor poisson_encode(const at::Tensor& x) {
   TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
               "mpipe::snn::poisson_encode: x must be a floating-point tensor of probabilities");
-  // Checking the range reads a value back, a host sync: done for host tensors
-  // only, so an encoder on a GPU stage stays asynchronous and capturable.
-  if (x.numel() > 0 && x.device().is_cpu()) {
-    const bool outside = at::logical_or(x.lt(0), x.gt(1)).any().item<bool>();
-    TORCH_CHECK(!outside, "mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [",
-                x.min().item<double>(), ", ", x.max().item<double>(), "]");
+  // One rule on every device (encoding.h): one reduction, its two values read
+  // back at once (a host sync on a GPU). A CUDA graph being captured can read
+  // nothing back, so the check is left out of the capture.
+  if (x.numel() > 0 && !detail::capturing_graph(x.device())) {
+    // LibTorch 1.13 has no aminmax for Half on the CPU: a float copy, exact.
+    const bool cpu_half = x.is_cpu() && x.scalar_type() == at::kHalf;
+    const auto range = at::aminmax(cpu_half ? x.to(at::kFloat) : x);
+    const at::Tensor ends =
+        at::stack({std::get<0>(range), std::get<1>(range)}).to(at::kCPU, at::kDouble);
+    const double lo = ends.data_ptr<double>()[0], hi = ends.data_ptr<double>()[1];
+    TORCH_CHECK(lo >= 0 && hi <= 1,  // false for NaN too
+                "mpipe::snn::poisson_encode: x must lie in [0, 1], got values in [", lo, ", ",
+                hi, "]");
   }
   return at::rand_like(x).lt(x).to(x.scalar_type());
 }
