@@ -789,6 +789,170 @@ TEST(Faults, ALostRankFailsTheOthers) {
   std::_Exit(::testing::UnitTest::GetInstance()->current_test_info()->result()->Passed() ? 0 : 1);
 }
 
+// Fault bounds: run one drill per launch (tests/CMakeLists.txt) with a 5 s
+// group timeout and 3 ranks. MPIPE_TEST_DRILL=<fault>:<where>:<rank>:
+//  - fault stall: the rank stops (it sleeps until the others have reported,
+//    then exits); where: before (the pipeline's first call), between (two
+//    calls), forward, backward (of micro-batch or time step 1), loss;
+//  - fault nostages (where: none): the rank appends no stage;
+//  - fault late (where: none): the rank appends a stage after the first call;
+//  - rank: first, middle or last; call: train (train_step, the default) or
+//    constant (constant_train_step), as a fourth field.
+// Every other rank must fail within the timeout + 5 s, with a message that
+// names the faulty rank and never itself as the one late.
+namespace {
+
+struct Drill {
+  std::string fault, where, call = "train";
+  int64_t rank = -1;  // the faulty world rank
+};
+
+Drill drill_from_env() {
+  Drill d;
+  const char* v = std::getenv("MPIPE_TEST_DRILL");
+  if (!v) return d;
+  std::vector<std::string> parts;
+  std::string cur;
+  for (const char* c = v; *c; ++c) {
+    if (*c == ':') {
+      parts.push_back(cur);
+      cur.clear();
+    } else {
+      cur += *c;
+    }
+  }
+  parts.push_back(cur);
+  if (parts.size() < 3) return d;
+  d.fault = parts[0];
+  d.where = parts[1];
+  const int64_t n = group().pipeline_size();
+  d.rank = parts[2] == "first" ? 0 : parts[2] == "middle" ? n / 2 : n - 1;
+  if (parts.size() > 3) d.call = parts[3];
+  return d;
+}
+
+std::string drill_dir() {
+  const char* port = std::getenv("MASTER_PORT");
+  return std::string("/tmp/mpipe-drill-") + (port ? port : "0");
+}
+
+/// The stalled rank: waits until every other rank has reported (or long
+/// past the bound), then leaves without the group's teardown.
+[[noreturn]] void stall_until_reported() {
+  const auto until = std::chrono::steady_clock::now() + g_group.timeout() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < until) {
+    int64_t reported = 0;
+    for (int64_t r = 0; r < g_group.world_size(); ++r) {
+      const std::string f = drill_dir() + "/done." + std::to_string(r);
+      if (FILE* file = std::fopen(f.c_str(), "r")) {
+        std::fclose(file);
+        ++reported;
+      }
+    }
+    if (reported >= g_group.world_size() - 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::printf("fault drill: the stalled rank leaves\n");
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+
+/// Linear, stalling in its forward or (through a hook) its backward of the
+/// second item when armed.
+struct StallingImpl : torch::nn::Module {
+  explicit StallingImpl(std::string where) : where(std::move(where)) {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    fc->to(torch::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (where == "forward" && ++seen == 2) stall_until_reported();
+    at::Tensor out = fc(x);
+    // The second forward that records a graph (a checkpointed one recomputes).
+    if (where == "backward" && out.requires_grad() && ++seen == 2) {
+      out.register_hook([](const at::Tensor& g) {
+        stall_until_reported();
+        return g;
+      });
+    }
+    return out;
+  }
+  std::string where;  // "" when not armed
+  int64_t seen = 0;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Stalling);
+
+}  // namespace
+
+TEST(Faults, EveryRankFailsWithinTheBoundNamingTheFaultyRank) {
+  const Drill d = drill_from_env();
+  if (d.fault.empty()) GTEST_SKIP() << "set MPIPE_TEST_DRILL=<fault>:<where>:<rank>[:<call>]";
+  const int64_t me = group().rank();
+  const bool faulty = me == d.rank;
+  if (faulty && d.fault == "stall") std::system(("rm -rf " + drill_dir()).c_str());
+  const int64_t n = group().pipeline_size();
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  const auto range = group().stage_range(n);
+  if (!(d.fault == "nostages" && faulty)) {
+    for (int64_t s = range.first; s < range.second; ++s) {
+      pipe->append(Stalling(faulty && d.fault == "stall" ? d.where : std::string()), "cpu");
+    }
+  }
+  const at::Tensor x = input(4);
+  const at::Tensor y = torch::zeros({4, 6}, torch::kDouble);
+  auto loss_fn = [&](const at::Tensor& out, const at::Tensor& target) {
+    if (faulty && d.fault == "stall" && d.where == "loss") stall_until_reported();
+    return mse(out, target);
+  };
+  auto call = [&] {
+    if (d.call == "constant") {
+      pipe->constant_train_step(x, 3, y, loss_fn);
+    } else {
+      pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(2));
+    }
+  };
+  const bool first_call_fails = d.where == "before" || d.fault == "nostages";
+  if (!first_call_fails) {
+    // A call that succeeds, after which the fault comes (between calls, late
+    // appends); the stalls inside a call arm only from the second call on.
+    const bool inside = d.where == "forward" || d.where == "backward" || d.where == "loss";
+    if (!inside) call();
+  }
+  if (faulty && d.fault == "stall" && (d.where == "before" || d.where == "between")) {
+    stall_until_reported();
+  }
+  if (faulty && d.fault == "late") pipe->append(Stalling(std::string()), "cpu");
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    call();
+    ADD_FAILURE() << "the call should fail on rank " << me;
+  } catch (const c10::Error& e) {
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::string what = e.what_without_backtrace();
+    std::printf("fault drill: rank %lld failed after %.1f s: %s\n", static_cast<long long>(me),
+                took, what.c_str());
+    const std::string bad = "rank " + std::to_string(d.rank);
+    EXPECT_NE(what.find(bad), std::string::npos) << "the message should name " << bad;
+    const std::string self = "rank " + std::to_string(me);
+    if (!faulty) {
+      EXPECT_EQ(what.find("from " + self), std::string::npos) << "names itself: " << what;
+      EXPECT_EQ(what.find(self + " did not"), std::string::npos) << "names itself: " << what;
+      EXPECT_EQ(what.find(self + " cannot"), std::string::npos) << "names itself: " << what;
+    }
+    EXPECT_LT(took, group().timeout().count() / 1000.0 + 5) << what;
+  }
+  std::fflush(stdout);
+  const bool passed = ::testing::UnitTest::GetInstance()->current_test_info()->result()->Passed();
+  if (d.fault != "stall") return;  // the group is whole: the closing barrier follows
+  // Tell the stalled rank, then leave without the group's teardown.
+  std::system(("mkdir -p " + drill_dir()).c_str());
+  if (FILE* f = std::fopen((drill_dir() + "/done." + std::to_string(me)).c_str(), "w")) {
+    std::fclose(f);
+  }
+  std::_Exit(passed ? 0 : 1);
+}
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   int64_t replicas = 1;

@@ -7,6 +7,7 @@
 
 #include "pipeline_state.h"
 
+#include "group.h"
 #include "device_probe.h"
 #include "rng.h"
 #include "scatter.h"
@@ -346,30 +347,41 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
   });
 }
 
-MPIPE_FUNC void ModelPipelineImpl::State::connect(const char* method) {
+MPIPE_FUNC std::string ModelPipelineImpl::State::connect(const char* method) {
   const auto& group = self.options.process_group();
   const auto n_local = static_cast<int64_t>(devices.size());
-  TORCH_CHECK(n_local > 0, "mpipe::ModelPipeline::", method, ": rank ", group.rank(),
-              " holds no stage; append this rank's stages (ProcessGroup::stage_range) first");
-  if (connected_stages == n_local) return;
-  TORCH_CHECK(connected_stages < 0, "mpipe::ModelPipeline::", method, ": rank ", group.rank(),
-              " appended stages after the pipeline's first call across processes (it held ",
-              connected_stages, ", now ", n_local, "); append every stage before the first call");
+  if (connected_stages == n_local) return {};
+  if (connected_stages >= 0) {  // told to every rank through the call (across())
+    return c10::str("mpipe::ModelPipeline::", method, ": rank ", group.rank(), " appended ",
+                    n_local - connected_stages, " stage(s) after the pipeline's first call across "
+                    "processes (it held ", connected_stages, ", now ", n_local,
+                    "); append every stage before the first call");
+  }
+  // Every rank takes part, one with no stage too, so that all of them hear
+  // which rank is wrong instead of waiting for it.
   if (pipeline_id < 0) pipeline_id = detail::next_pipeline_id(group);
   const auto counts = detail::exchange_stage_counts(group, pipeline_id, n_local);
   detail::Layout l;
   int64_t first = 0;
+  std::string empty;
   for (size_t p = 0; p < counts.size(); ++p) {
-    TORCH_CHECK(counts[p] > 0, "mpipe::ModelPipeline::", method, ": pipeline rank ", p,
-                " holds no stage");
+    if (counts[p] <= 0) {
+      empty += c10::str(empty.empty() ? "" : ", ", "rank ",
+                        group.impl()->world_rank(static_cast<int64_t>(p)), " (pipeline rank ", p,
+                        ")");
+    }
     l.first.push_back(first);
     first += counts[p];
   }
+  TORCH_CHECK(empty.empty(), "mpipe::ModelPipeline::", method, ": ", empty,
+              " holds no stage; every rank appends its stages (ProcessGroup::stage_range) "
+              "before the first call");
   l.n_stages = first;
   layout = l;
   executor.set_layout(l.first[static_cast<size_t>(group.pipeline_rank())], l.n_stages,
                       c10::str(", rank ", group.rank()));
   connected_stages = n_local;
+  return {};
 }
 
 MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::agree(

@@ -22,12 +22,14 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -45,6 +47,10 @@ struct Comm {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> replicas_nccl;  // CUDA gradients, NCCL backend
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> world_nccl;     // CUDA activations and gradients
 #endif
+  /// Sends aborted when a peer stalled: kept alive with the group, since
+  /// Gloo may still touch their buffers (the group is broken by then).
+  std::mutex abandoned_mutex;
+  std::vector<c10::intrusive_ptr<c10d::Work>> abandoned;
 };
 
 namespace distributed_impl {
@@ -57,7 +63,7 @@ constexpr int64_t kMagic = 0x6d70697065;  // "mpipe"
 constexpr int64_t kHeader = 32;
 constexpr int64_t kMaxDims = 12;
 enum Slot : int64_t {
-  kMagicSlot, kPipeline, kSeq, kType, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
+  kMagicSlot, kPipeline, kSeq, kType, kPhase, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
   kTextBytes, kCallFields, kDims, kShape  // kShape .. kShape + kMaxDims - 1
 };
 constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL
@@ -109,7 +115,8 @@ MPIPE_FUNC Backend resolve_backend(Backend asked) {
 
 // One call's link: a receiving thread ("pump") per peer reads that peer's
 // messages in order until its End or Abort; sends are posted without
-// waiting and waited for in finish().
+// waiting and waited for in finish(), on a thread per peer, so that one
+// deadline bounds the whole end of the call.
 class GlooLink final : public Link {
  public:
   GlooLink(std::shared_ptr<Impl> group, int64_t pipeline_id, int64_t seq, LinkHandlers handlers)
@@ -120,6 +127,13 @@ class GlooLink final : public Link {
         handlers_(std::move(handlers)),
         peers_(static_cast<size_t>(group_->pipeline_size())) {
     tag_ = static_cast<int>(pipeline_id);
+    const int64_t seed = debug_chaos_seed();
+    if (seed >= 0) {
+      chaos_ = std::make_unique<Chaos>(
+          static_cast<uint64_t>(seed) * 1000003u + static_cast<uint64_t>(group_->rank) * 7919u +
+              static_cast<uint64_t>(seq),
+          peers_.size(), handlers_.deliver);
+    }
     for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
       if (p == group_->pipeline_rank()) continue;
       peers_[static_cast<size_t>(p)].thread = std::thread([this, p] { pump(p); });
@@ -142,6 +156,7 @@ class GlooLink final : public Link {
     h[kPipeline] = pipeline_;
     h[kSeq] = seq_;
     h[kType] = m.type;
+    h[kPhase] = m.phase;
     h[kKind] = m.key.kind;
     h[kItem] = m.key.item;
     h[kStage] = m.stage;
@@ -197,14 +212,26 @@ class GlooLink final : public Link {
 #endif
   }
 
+  // Note [Ending a call]
+  // ~~~~~~~~~~~~~~~~~~~~
+  // A rank ends a call by posting End (or Abort) to every peer and then
+  // waiting for two things per peer: its own sends to go out (a Gloo send
+  // completes only once the peer posts the matching receive) and the peer's
+  // End or Abort. Both waits share one deadline: the group's timeout from
+  // here, or kAnswer once the call is failing (this rank's error, or a peer's
+  // Abort or loss arriving while it waits). A peer that misses it is stalled:
+  // its sends and receive are aborted, the group is broken, and the message
+  // names that peer. So a rank that stalls between calls costs the others the
+  // timeout once, not once per wait.
   std::string finish(const std::string& error, bool failing) override {
     finished_ = true;
     std::string problems;
     auto add = [&](const std::string& s) {
       if (!s.empty()) problems += (problems.empty() ? "" : "; ") + s;
     };
+    const int64_t me = group_->pipeline_rank();
     for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
-      if (p == group_->pipeline_rank()) continue;
+      if (p == me) continue;
       WireMessage end;
       end.type = error.empty() ? WireMessage::End : WireMessage::Abort;
       end.text = error;
@@ -212,56 +239,191 @@ class GlooLink final : public Link {
         post(p, std::move(end));
       } catch (const std::exception& e) {
         add(c10::str("sending to rank ", group_->world_rank(p), " failed: ", e.what()));
+        failing = true;
       }
     }
     for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
-      Peer& peer = peers_[static_cast<size_t>(p)];
-      for (auto& w : peer.sends) {
-        try {
-          w->wait();
-        } catch (...) {
-          const std::string why = c10::str("rank ", group_->world_rank(p),
-                                           " did not take a message: ",
-                                           message_of(std::current_exception()));
-          group_->break_group(why);
-          add(why);
+      if (p == me) continue;
+      peers_[static_cast<size_t>(p)].drain = std::thread([this, p] { drain(p); });
+    }
+    const auto answer = std::min<std::chrono::milliseconds>(group_->timeout, kAnswer);
+    const auto start = std::chrono::steady_clock::now();
+    auto deadline = start + (failing ? answer : group_->timeout);
+    bool cut = failing;
+    {
+      std::unique_lock<std::mutex> lock(state_);
+      auto done = [&] {
+        for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+          const Peer& peer = peers_[static_cast<size_t>(p)];
+          if (p != me && !(peer.ended && peer.drained)) return false;
+        }
+        return true;
+      };
+      while (!done()) {
+        if (!cut && peer_failed_) {  // a peer's Abort or loss: the call is failing now
+          cut = true;
+          deadline = std::min(deadline, std::chrono::steady_clock::now() + answer);
+        }
+        if (changed_.wait_until(lock, deadline) == std::cv_status::timeout &&
+            std::chrono::steady_clock::now() >= deadline) {
           break;
         }
       }
-      peer.sends.clear();
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+        Peer& peer = peers_[static_cast<size_t>(p)];
+        if (p == me || (peer.ended && peer.drained)) continue;
+        peer.abandoned = true;
+        if (peer.current) peer.current->abort();
+        const std::string why = c10::str(
+            "rank ", group_->world_rank(p), " did not ",
+            peer.ended ? "take this rank's last messages" : "end the call", " within ",
+            std::round(waited * 10) / 10, " s (stalled?)");
+        group_->break_group(why);
+        add(why);
+      }
     }
-    // Every peer ends the call with End or Abort; one that does not within the
-    // deadline is stalled: its receive is aborted and the group is broken.
-    const auto deadline = std::chrono::steady_clock::now() +
-                          (failing ? std::min<std::chrono::milliseconds>(group_->timeout,
-                                                                          std::chrono::seconds(3))
-                                   : group_->timeout);
     for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
+      if (p == me) continue;
       Peer& peer = peers_[static_cast<size_t>(p)];
-      if (!peer.thread.joinable()) continue;
       {
-        std::unique_lock<std::mutex> lock(peer.recv_mutex);
-        if (!peer.ended_cv.wait_until(lock, deadline, [&] { return peer.ended; })) {
-          peer.abandoned = true;
-          if (peer.current) peer.current->abort();
+        std::lock_guard<std::mutex> lock(peer.send_mutex);
+        if (peer.abandoned) {
+          for (auto& w : peer.sends) w->abort();  // wakes the drain
+          std::lock_guard<std::mutex> keep(comm_.abandoned_mutex);
+          comm_.abandoned.insert(comm_.abandoned.end(), peer.sends.begin(), peer.sends.end());
         }
       }
+      peer.drain.join();
       peer.thread.join();
+      if (!peer.send_error.empty()) {
+        group_->break_group(peer.send_error);
+        add(peer.send_error);
+      }
     }
+    if (chaos_) chaos_->stop();
     return problems;
   }
 
  private:
+  /// How long a failing call waits for its peers' answers (Note [Ending a call]).
+  static constexpr std::chrono::milliseconds kAnswer{2000};
+
   struct Peer {
-    std::mutex send_mutex;
+    std::mutex send_mutex;  // guards sends
     std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-    std::thread thread;
-    std::mutex recv_mutex;  // guards what follows
+    std::thread thread;  // the pump
+    std::thread drain;   // waits for `sends` in finish()
+    std::string send_error;  // written by the drain before it sets drained
+    // Guarded by GlooLink::state_:
     c10::intrusive_ptr<c10d::Work> current;  // the receive in progress
     bool ended = false;      // the pump is done
+    bool drained = false;    // every send went out (or failed)
     bool abandoned = false;  // finish() gave up on the peer
-    std::condition_variable ended_cv;
   };
+
+  // Note [Message addresses] (the debug hook)
+  // With MPIPE_DEBUG_CHAOS=<seed>, every received message is handed over
+  // after a random delay of up to kDelayUs, so messages from different peers
+  // and of different items overtake one another; a peer's End or Abort waits
+  // until its earlier messages were handed over. RemoteCall adds a random
+  // pause before each phase change. Tests run the calls under it.
+  class Chaos {
+   public:
+    Chaos(uint64_t seed, size_t n_peers,
+          std::function<void(int64_t peer, WireMessage m)> deliver)
+        : random_(seed), pending_(n_peers, 0), deliver_(std::move(deliver)) {
+      thread_ = std::thread([this] { run(); });
+    }
+    ~Chaos() { stop(); }
+    void push(int64_t peer, WireMessage m) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto at = std::chrono::steady_clock::now() +
+                      std::chrono::microseconds(random_() % kDelayUs);
+      queue_.emplace(at, std::make_pair(peer, std::move(m)));
+      ++pending_[static_cast<size_t>(peer)];
+      changed_.notify_all();
+    }
+    /// Returns once every message of `peer` was handed over.
+    void drain(int64_t peer) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [&] { return pending_[static_cast<size_t>(peer)] == 0; });
+    }
+    void stop() {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopping_ = true;
+        changed_.notify_all();
+      }
+      if (thread_.joinable()) thread_.join();
+    }
+
+   private:
+    static constexpr uint64_t kDelayUs = 3000;
+    void run() {
+      std::unique_lock<std::mutex> lock(mutex_);
+      for (;;) {
+        if (queue_.empty()) {
+          if (stopping_) return;
+          changed_.wait(lock);
+          continue;
+        }
+        auto first = queue_.begin();
+        if (std::chrono::steady_clock::now() < first->first) {
+          changed_.wait_until(lock, first->first);
+          continue;
+        }
+        auto item = std::move(first->second);
+        queue_.erase(first);
+        lock.unlock();
+        try {
+          deliver_(item.first, std::move(item.second));
+        } catch (...) {  // deliver reports its own failures
+        }
+        lock.lock();
+        --pending_[static_cast<size_t>(item.first)];
+        changed_.notify_all();
+      }
+    }
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::mt19937_64 random_;
+    std::multimap<std::chrono::steady_clock::time_point, std::pair<int64_t, WireMessage>> queue_;
+    std::vector<int64_t> pending_;
+    bool stopping_ = false;
+    std::function<void(int64_t, WireMessage)> deliver_;
+    std::thread thread_;
+  };
+
+  // The sends to `peer`, in order; an aborted one (finish() gave up) ends it.
+  void drain(int64_t peer) {
+    Peer& p = peers_[static_cast<size_t>(peer)];
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    {
+      std::lock_guard<std::mutex> lock(p.send_mutex);
+      sends = p.sends;
+    }
+    std::string error;
+    for (auto& w : sends) {
+      try {
+        if (!w->wait()) break;  // aborted
+      } catch (...) {
+        error = c10::str("rank ", group_->world_rank(peer), " did not take a message: ",
+                         message_of(std::current_exception()));
+        break;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(p.send_mutex);
+      p.sends.clear();
+    }
+    std::lock_guard<std::mutex> lock(state_);
+    p.send_error = error;
+    p.drained = true;
+    if (!error.empty()) peer_failed_ = true;
+    changed_.notify_all();
+  }
 
   // No timeout of its own: a peer may be idle as long as its work takes
   // (finish() bounds the wait for its End; the executor's receives time out).
@@ -271,24 +433,36 @@ class GlooLink final : public Link {
     std::vector<at::Tensor> one{into};
     auto work = comm_.world->recv(one, static_cast<int>(group_->world_rank(peer)), tag_);
     {
-      std::lock_guard<std::mutex> lock(from.recv_mutex);
+      std::lock_guard<std::mutex> lock(state_);
       TORCH_CHECK(!from.abandoned, "abandoned");
       from.current = work;
     }
     const bool done = work->wait(std::chrono::hours(24 * 365));
     {
-      std::lock_guard<std::mutex> lock(from.recv_mutex);
+      std::lock_guard<std::mutex> lock(state_);
       from.current.reset();
+      if (!done || from.abandoned) {
+        std::lock_guard<std::mutex> keep(comm_.abandoned_mutex);
+        comm_.abandoned.push_back(work);
+      }
       TORCH_CHECK(done && !from.abandoned, "abandoned");
     }
     return into;
   }
 
-  void ended(int64_t peer) {
-    Peer& p = peers_[static_cast<size_t>(peer)];
-    std::lock_guard<std::mutex> lock(p.recv_mutex);
-    p.ended = true;
-    p.ended_cv.notify_all();
+  void ended(int64_t peer, bool failed) {
+    std::lock_guard<std::mutex> lock(state_);
+    peers_[static_cast<size_t>(peer)].ended = true;
+    if (failed) peer_failed_ = true;
+    changed_.notify_all();
+  }
+
+  void hand_over(int64_t peer, WireMessage m) {
+    if (chaos_) {
+      chaos_->push(peer, std::move(m));
+    } else {
+      handlers_.deliver(peer, std::move(m));
+    }
   }
 
   void pump(int64_t peer) {
@@ -306,6 +480,7 @@ class GlooLink final : public Link {
                     "same order");
         WireMessage m;
         m.type = static_cast<WireMessage::Type>(h[kType]);
+        m.phase = h[kPhase];
         m.key.kind = static_cast<Key::Kind>(h[kKind]);
         m.key.item = h[kItem];
         m.stage = h[kStage];
@@ -346,27 +521,34 @@ class GlooLink final : public Link {
             if (m.tensor.numel() > 0) receive(peer, m.tensor);
           }
         }
-        if (m.type == WireMessage::End) return ended(peer);
-        if (m.type == WireMessage::Abort) {
-          handlers_.failed(peer, c10::str("rank ", from_rank, " failed: ", text));
-          return ended(peer);
+        if (m.type == WireMessage::End || m.type == WireMessage::Abort) {
+          if (chaos_) chaos_->drain(peer);  // what came before is handed over first
+          if (m.type == WireMessage::Abort) {
+            {
+              std::lock_guard<std::mutex> lock(state_);
+              peer_failed_ = true;
+            }
+            handlers_.failed(peer, c10::str("rank ", from_rank, " failed: ", text));
+          }
+          return ended(peer, m.type == WireMessage::Abort);
         }
         m.key.name = std::move(text);
-        handlers_.deliver(peer, std::move(m));
+        hand_over(peer, std::move(m));
       }
     } catch (...) {
+      if (chaos_) chaos_->drain(peer);
       bool abandoned;
       {
-        std::lock_guard<std::mutex> lock(peers_[static_cast<size_t>(peer)].recv_mutex);
+        std::lock_guard<std::mutex> lock(state_);
         abandoned = peers_[static_cast<size_t>(peer)].abandoned;
       }
-      const std::string why =
-          abandoned ? c10::str("rank ", from_rank, " did not end the call (stalled?)")
-                    : c10::str("rank ", from_rank, " cannot be reached (",
-                               message_of(std::current_exception()), ")");
-      group_->break_group(why);
-      handlers_.failed(peer, why);
-      ended(peer);
+      if (!abandoned) {  // else finish() names the peer
+        const std::string why = c10::str("rank ", from_rank, " cannot be reached (",
+                                         message_of(std::current_exception()), ")");
+        group_->break_group(why);
+        handlers_.failed(peer, why);
+      }
+      ended(peer, true);
     }
   }
 
@@ -377,6 +559,10 @@ class GlooLink final : public Link {
   int tag_ = 0;
   LinkHandlers handlers_;
   std::vector<Peer> peers_;
+  std::unique_ptr<Chaos> chaos_;
+  std::mutex state_;  // guards the Peer fields so marked, and peer_failed_
+  std::condition_variable changed_;
+  bool peer_failed_ = false;
   bool finished_ = false;
 };
 
@@ -416,14 +602,39 @@ MPIPE_FUNC std::unique_ptr<Link> open_link(const distributed::ProcessGroup& grou
 MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
                                                       int64_t pipeline_id, int64_t mine) {
   // An allgather over the world (every rank connects its pipelines in the same
-  // order, at their first calls); the store would do too, but its locks are
-  // taken inside LibTorch, where ThreadSanitizer cannot see them.
-  (void)pipeline_id;
-  const Impl& g = *group.impl();
+  // order, at their first calls). Each rank first leaves a mark in the store,
+  // so that when the allgather times out the ranks that never came can be
+  // named (a rank stalled before the pipeline's first call).
+  Impl& g = *group.impl();
+  const std::string broken = g.broken_reason();
+  TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
+              "restart every rank");
+  auto mark = [&](int64_t rank) { return c10::str("mpipe/arrived/", pipeline_id, "/", rank); };
   std::vector<at::Tensor> in{at::full({1}, mine, at::kLong)};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < g.world; ++r) out[0].push_back(at::empty({1}, at::kLong));
-  g.comm->world->allgather(out, in)->wait();
+  try {
+    g.comm->store->set(mark(g.rank), std::vector<uint8_t>{1});
+    g.comm->world->allgather(out, in)->wait();
+  } catch (...) {
+    const std::string what = message_of(std::current_exception());
+    std::string missing;
+    try {
+      for (int64_t r = 0; r < g.world; ++r) {
+        if (!g.comm->store->check({mark(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    } catch (...) {  // the store is gone too: the rank that hosts it (rank 0) is
+      missing = "0";
+    }
+    const std::string why =
+        missing.empty()
+            ? c10::str("the ranks could not agree on the stages (", what, ")")
+            : c10::str("rank", missing.find(',') == std::string::npos ? " " : "s ", missing,
+                       " did not reach the pipeline's first call within ",
+                       g.timeout.count() / 1000.0, " s (stalled or gone?)");
+    g.break_group(why);
+    TORCH_CHECK(false, why);
+  }
   std::vector<int64_t> counts;
   for (int64_t p = 0; p < g.pipeline_size(); ++p) {
     counts.push_back(out[0][static_cast<size_t>(g.world_rank(p))].item<int64_t>());

@@ -23,6 +23,9 @@ namespace detail {
 struct WireMessage {
   enum Type : int64_t { Call = 1, Data = 2, End = 3, Abort = 4 };
   Type type = Data;
+  /// Data: the phase of the call it belongs to (RemoteCall::attach counts
+  /// them: the executor's run, then constant_train_step's backward).
+  int64_t phase = 0;
   // Data: tensor `index` of `count` sent under `key` to global stage `stage`;
   // `from` is the sending stage (the stasher, for a skip).
   Key key{Key::Activation, 0, {}};
@@ -50,10 +53,10 @@ class Link {
   virtual void post(int64_t peer, WireMessage m) = 0;
   /// Ends the call on this rank: End (or, with `error`, Abort carrying it) to
   /// every peer, then waits until every peer ended too and every send went
-  /// out: up to the group's timeout, or a few seconds when the call is
-  /// `failing` (a healthy peer answers an Abort at once; one that does not
-  /// is stalled, and the group is broken). Returns what went wrong on the
-  /// way ("" if nothing).
+  /// out, all within one deadline: the group's timeout, cut to a few seconds
+  /// once the call is `failing` or a peer's Abort or loss arrives (a healthy
+  /// peer answers an Abort at once; one that does not is stalled, and the
+  /// group is broken). Returns what went wrong on the way ("" if nothing).
   virtual std::string finish(const std::string& error, bool failing) = 0;
 };
 
@@ -66,6 +69,11 @@ struct LinkHandlers {
   /// NCCL for it is received).
   std::function<c10::Device(int64_t stage)> device_of;
 };
+
+/// The seed of the debug hook that delays and reorders the delivery of
+/// received messages and delays each phase change of a call (Note [Message
+/// addresses]); -1 when MPIPE_DEBUG_CHAOS is unset (the default: no delays).
+int64_t debug_chaos_seed();
 
 /// Opens call `seq` of pipeline `pipeline_id` with every other rank of this
 /// rank's pipeline; a receiving thread per peer runs until the peer ends the

@@ -87,11 +87,12 @@ namespace model_pipeline_impl {
 
 MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method, const at::Tensor& x,
                                bool time_major = false) {
+  // Across processes the first rank checks its inputs inside the call, and
+  // a rank without stages is named to every rank at the first call, so that
+  // every rank hears of it (Note [Cross-process calls]).
+  if (p.options.process_group().defined()) return;
   TORCH_CHECK(!p.is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
-  // Across processes the first rank checks its inputs inside the call, so
-  // that every rank hears of a bad one (Note [Cross-process calls]).
-  if (p.options.process_group().defined()) return;
   TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
   if (time_major) {
     TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::", method,
@@ -108,6 +109,7 @@ MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method, c
 }
 
 MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method) {
+  if (p.options.process_group().defined()) return;  // as above
   TORCH_CHECK(!p.is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
 }

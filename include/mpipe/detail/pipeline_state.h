@@ -104,8 +104,10 @@ struct ModelPipelineImpl::State {
   int64_t connected_stages = -1;  // the local stage count the layout was made for
   detail::Layout layout;
   bool distributed() const { return self.options.process_group().defined(); }
-  /// The stage ranges of every rank, exchanged at the first call.
-  void connect(const char* method);
+  /// The stage ranges of every rank, exchanged at the first call (every
+  /// rank gets the error when one holds no stage). Returns the error of a
+  /// rank that appended stages since, which across() tells every rank.
+  std::string connect(const char* method);
   /// Runs `body(call)` as one call across processes on every rank
   /// (Note [Cross-process calls]): its error ends the call on every rank.
   template <typename F>
@@ -165,7 +167,7 @@ auto ModelPipelineImpl::State::guarded(const char* method, F&& body) -> decltype
 template <typename F>
 auto ModelPipelineImpl::State::across(const char* method, F&& body)
     -> decltype(body(std::declval<detail::RemoteCall&>())) {
-  connect(method);
+  const std::string late = connect(method);
   detail::RemoteCall call(self.options.process_group(), layout, pipeline_id, call_seq++,
                           [this](int64_t stage) {
                             return devices[static_cast<size_t>(stage - executor.first_stage())];
@@ -173,6 +175,7 @@ auto ModelPipelineImpl::State::across(const char* method, F&& body)
   decltype(body(call)) result;
   std::exception_ptr error;
   try {
+    TORCH_CHECK(late.empty(), late);
     result = body(call);
   } catch (...) {
     error = std::current_exception();

@@ -9,7 +9,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <thread>
 #include <utility>
 
 namespace mpipe {
@@ -51,6 +55,20 @@ namespace detail {
 // ends a few seconds later without the stalled rank's End. Either marks the
 // group broken: later calls fail at once (restart every rank). Errors in a
 // stage or in a call's arguments leave the group usable.
+
+MPIPE_FUNC int64_t debug_chaos_seed() {
+  static const int64_t seed = [] {
+    const char* v = std::getenv("MPIPE_DEBUG_CHAOS");
+    if (!v || !*v) return int64_t{-1};
+    try {
+      return static_cast<int64_t>(std::stoull(v) & 0x7fffffffffffffffULL);
+    } catch (...) {
+      TORCH_CHECK(false, "mpipe: MPIPE_DEBUG_CHAOS must be a non-negative integer (a seed), got '",
+                  v, "'");
+    }
+  }();
+  return seed;
+}
 
 namespace remote_impl {
 const char* const kMethods[] = {"forward", "constant_forward", "sequence_forward", "train_step",
@@ -105,6 +123,12 @@ MPIPE_FUNC RemoteCall::RemoteCall(const distributed::ProcessGroup& group, const 
   handlers.device_of = std::move(device_of);
   handlers.deliver = [this](int64_t peer, WireMessage m) { deliver(peer, std::move(m)); };
   handlers.failed = [this](int64_t peer, const std::string& why) { failed(peer, why); };
+  const int64_t seed = debug_chaos_seed();
+  if (seed >= 0) {
+    chaos_on_ = true;
+    chaos_.seed(static_cast<uint64_t>(seed) * 31u + static_cast<uint64_t>(group.rank()) * 131u +
+                static_cast<uint64_t>(seq));
+  }
   link_ = open_link(group, pipeline_id, seq, std::move(handlers));
 }
 
@@ -130,9 +154,9 @@ MPIPE_FUNC CallInfo RemoteCall::await_call(const char* method) {
   std::unique_lock<std::mutex> lock(mutex_);
   const bool done = changed_.wait_for(lock, group_.timeout(),
                                       [&] { return has_call_ || !failure_.empty(); });
-  TORCH_CHECK(done, "mpipe::ModelPipeline::", method, ": rank ", group_.rank(),
-              " waited ", group_.timeout().count() / 1000.0, " s for the first rank to start "
-              "the call");
+  TORCH_CHECK(done, "mpipe::ModelPipeline::", method, ": nothing arrived from rank ",
+              group_.impl()->world_rank(0), " (the first rank) within ",
+              group_.timeout().count() / 1000.0, " s: it did not start the call (stalled?)");
   TORCH_CHECK(failure_.empty(), "mpipe::ModelPipeline::", method, ": ", failure_);
   const int64_t mine = method_code(method);
   TORCH_CHECK(call_.method == mine, "mpipe::ModelPipeline::", method, ": rank ", group_.rank(),
@@ -152,11 +176,15 @@ MPIPE_FUNC void RemoteCall::deliver(int64_t peer, WireMessage m) {
       changed_.notify_all();
       return;
     }
-    if (phase_ == Waiting) {
-      early_.emplace_back(peer, std::move(m));
+    if (over_) return;  // the call ended here (it failed): the rest is read and dropped
+    const bool now = attached_ && m.phase == phases_ - 1;
+    if (!now) {
+      // A later phase's (or, before the first attach, any phase's): kept for
+      // it. One for a phase already over can only follow a failure there,
+      // which fails the call: dropped.
+      if (m.phase >= phases_) early_[m.phase].emplace_back(peer, std::move(m));
       return;
     }
-    if (phase_ == After) return;  // the call failed here: the rest is read and dropped
     to = transport_;
     ++busy_;
   }
@@ -173,7 +201,7 @@ MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
     if (failure_.empty()) failure_ = why;
     failures_.push_back(why);
     changed_.notify_all();
-    if (phase_ != Attached) return;
+    if (!attached_) return;  // attach() hands it over
     to = transport_;
     ++busy_;
   }
@@ -187,20 +215,35 @@ MPIPE_FUNC void RemoteCall::attach(RemoteTransport* transport) {
   std::string failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t phase = phases_++;
+    send_phase_ = phase;
     transport_ = transport;
-    phase_ = Attached;
-    early.swap(early_);
+    attached_ = true;
+    auto it = early_.find(phase);
+    if (it != early_.end()) {
+      early.swap(it->second);
+      early_.erase(it);
+    }
     failure = failure_;
+    ++busy_;  // detach() waits for these hand-offs too
   }
   for (auto& e : early) transport->deliver(e.first, std::move(e.second));
   if (!failure.empty()) transport->peer_failed(failure);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (--busy_ == 0) changed_.notify_all();
 }
 
 MPIPE_FUNC void RemoteCall::detach() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (chaos_on_ && attached_) {  // the debug hook: a slow phase change (Note [Message addresses])
+    const auto pause = chaos_() % 3 == 0 ? 20000 + chaos_() % 40000 : chaos_() % 2000;
+    lock.unlock();  // messages keep arriving meanwhile
+    std::this_thread::sleep_for(std::chrono::microseconds(pause));
+    lock.lock();
+  }
   // The transport dies with the executor's call: wait out the hand-offs in
   // flight on the receiving threads.
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (phase_ == Attached) phase_ = Waiting;
+  attached_ = false;
   transport_ = nullptr;
   changed_.wait(lock, [&] { return busy_ == 0; });
 }
@@ -209,7 +252,7 @@ MPIPE_FUNC std::string RemoteCall::finish(const std::string& error, const char* 
   detach();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    phase_ = After;
+    over_ = true;
     early_.clear();
   }
   bool failing = !error.empty();
@@ -236,20 +279,36 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
                                             int64_t end, SkipTable* skips,
                                             std::function<void(std::exception_ptr)> fail)
     : local_(local), call_(call), first_(first), end_(end), skips_(skips), fail_(std::move(fail)) {
-  local_.sender_of = [this](int64_t to, const Key& key) -> std::string {
+  // Who a receive of `key` by stage `to` waits on: the stage before (inputs,
+  // skips) or after (gradients); -1 when that is not known here.
+  auto producer = [this](int64_t to, const Key& key) -> int64_t {
+    if (key.kind == Key::Activation) return to - 1;
+    if (key.kind == Key::Gradient) return to + 1;
+    return -1;
+  };
+  // The rank a receive waits on: the producer's, or for a skip (its
+  // stasher is not known here) the nearest rank on the side it comes from.
+  local_.sender_of = [this, producer](int64_t to, const Key& key) -> std::string {
     const Layout& l = call_.layout();
-    const int64_t from = key.kind == Key::Activation ? to - 1
-                         : key.kind == Key::Gradient ? to + 1
-                                                     : -1;  // a skip's: not known here
-    if (from < 0 || from >= l.n_stages) return "another rank";
-    return c10::str("rank ", call_.group().impl()->world_rank(l.rank_of(from)), " (stage ", from,
-                    ")");
+    const int64_t from = producer(to, key);
+    const int64_t p = call_.pipeline_rank();
+    const int64_t rank = from >= 0 && from < l.n_stages ? l.rank_of(from)
+                         : key.kind == Key::Skip        ? p - 1
+                                                        : p + 1;
+    if (rank < 0 || rank >= call_.group().pipeline_size()) return "another rank";
+    const std::string world = c10::str("rank ", call_.group().impl()->world_rank(rank));
+    return from >= 0 && from < l.n_stages ? c10::str(world, " (stage ", from, ")") : world;
   };
   // A stall upstream leaves every later rank waiting for inputs, one behind
   // the other; downstream, every earlier rank waiting for gradients. The rank
   // next to the stalled one should time out first and name it, so waits grow
-  // by half a second per rank away from it (Note [Cross-process calls]).
-  local_.patience = [this](int64_t, const Key& key) {
+  // by half a second per rank away from it (Note [Cross-process calls]). A
+  // receive from a stage of this rank waits without a timeout: that stage
+  // either delivers or fails the call (its own receive times out, or another
+  // rank's Abort arrives), and it is not the one to name.
+  local_.patience = [this, producer](int64_t to, const Key& key) {
+    const int64_t from = producer(to, key);
+    if (from >= first_ && from < end_) return std::chrono::milliseconds(0);
     const int64_t p = call_.pipeline_rank(), s = call_.group().pipeline_size();
     const int64_t steps = key.kind == Key::Activation || key.kind == Key::Skip ? p : s - 1 - p;
     return call_.group().timeout() + std::chrono::milliseconds(500 * steps);

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -72,9 +73,11 @@ class RemoteCall {
   /// Another rank: the first rank's call, which must be `method` too.
   CallInfo await_call(const char* method);
 
-  /// The call's transport while the executor (or another phase of the call)
-  /// runs it; messages that came while none was attached are handed to it
-  /// now. Once the call finishes, what still comes is read and dropped.
+  /// The call's transport while one phase of the call runs (the executor's
+  /// run, then constant_train_step's backward): the k-th attach on a rank is
+  /// phase k on every rank (Note [Message addresses]). Messages for phase k
+  /// that arrive before it attaches are kept and handed to it then; after
+  /// detach, a message for a later phase waits for that phase.
   void attach(RemoteTransport* transport);
   void detach();
 
@@ -88,7 +91,11 @@ class RemoteCall {
     std::map<int64_t, Tensors> sent, received;  // by item
   };
   Boundary boundary;
-  void post(int64_t peer, WireMessage m) { link_->post(peer, std::move(m)); }
+  /// Sends `m` (a Data message) addressed to the phase now attached.
+  void post(int64_t peer, WireMessage m) {
+    m.phase = send_phase_;
+    link_->post(peer, std::move(m));
+  }
 
   /// Ends the call with every other rank (an Abort carrying `error` when this
   /// rank failed). Without a local error, throws what other ranks reported;
@@ -105,10 +112,16 @@ class RemoteCall {
 
   std::mutex mutex_;
   std::condition_variable changed_;
-  enum { Waiting, Attached, After } phase_ = Waiting;
+  int64_t phases_ = 0;    // attaches so far: the attached phase is phases_ - 1
+  bool attached_ = false;
+  bool over_ = false;     // finish() began: what still comes is read and dropped
+  std::atomic<int64_t> send_phase_{0};
   RemoteTransport* transport_ = nullptr;
   int64_t busy_ = 0;  // deliveries into transport_ in progress
-  std::vector<std::pair<int64_t, WireMessage>> early_;  // data while none is attached
+  /// Data for phases not attached yet, by phase.
+  std::map<int64_t, std::vector<std::pair<int64_t, WireMessage>>> early_;
+  std::mt19937_64 chaos_;  // the debug hook's pauses (seeded when it is on)
+  bool chaos_on_ = false;
   bool has_call_ = false;
   int64_t call_from_ = -1;
   CallInfo call_;

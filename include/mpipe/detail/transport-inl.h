@@ -89,12 +89,12 @@ MPIPE_FUNC Tensors LocalTransport::receive(int64_t to, const Key& key) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     auto ready = [&] { return aborted_ || !failure_.empty() || parcels_.count(where) > 0; };
-    if (blocking_ && timeout_.count() > 0) {
-      const auto wait = patience ? patience(to, key) : timeout_;
+    const auto wait = patience ? patience(to, key) : timeout_;
+    if (blocking_ && timeout_.count() > 0 && wait.count() > 0) {
       const bool arrived = arrived_[slot(to)].wait_for(lock, wait, ready);
       TORCH_CHECK(arrived, "nothing arrived from ",
                   sender_of ? sender_of(to, key) : std::string("another rank"),
-                  " within ", (patience ? patience(to, key) : timeout_).count() / 1000.0,
+                  " within ", wait.count() / 1000.0,
                   " s (the group's timeout, plus grace by pipeline position): stage ", to,
                   " waited for ",
                   key.kind == Key::Activation  ? "its inputs"

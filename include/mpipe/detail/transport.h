@@ -109,7 +109,8 @@ class LocalTransport : public Transport {
   /// Across processes: who should have sent `key` to stage `to` ("rank 2
   /// (stage 4)"), for the message of a receive that timed out.
   std::function<std::string(int64_t to, const Key& key)> sender_of;
-  /// Across processes: how long a receive of `key` waits (else the timeout).
+  /// Across processes: how long a receive of `key` waits (else the timeout;
+  /// 0: without a timeout).
   std::function<std::chrono::milliseconds(int64_t to, const Key& key)> patience;
 
   /// The caller's `values`, ready once `ready` (recorded on the caller's

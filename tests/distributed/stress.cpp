@@ -1,0 +1,364 @@
+// The cross-process stress test: thousands of mixed pipeline calls on three
+// pipelines that share one process group, each call checked against the
+// plain model that every rank also holds, with a stage error injected every
+// ~50 calls. Every rank draws the same calls from the same seed.
+//
+//   mpipe-launch -n 3 --timeout 600 -- ./mpipe_dist_stress --calls=2000 [--replicas=R]
+//
+// ctest runs a short form (tests/CMakeLists.txt), under the debug hook that
+// delays and reorders deliveries (MPIPE_DEBUG_CHAOS); scripts/stress.sh runs
+// the long form. Each rank ends with "stress: N passed, F failed".
+//
+// Pipelines (S = ranks of a pipeline):
+//  A: 2S stages of Linear + Tanh: forward, train_step under every schedule;
+//  B: S + 1 multi-step SNN stages (SeqToANN(Linear, Tanh), LIF): time-step
+//     calls in time chunks 1, 2 and T;
+//  C: S single-step SNN stages (Linear, Tanh, LIF): time-step calls.
+
+#include "../common.h"
+
+#include <mpipe/distributed.h>
+#include <mpipe/snn.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstdio>
+#include <random>
+#include <string>
+
+namespace {
+
+namespace nn = torch::nn;
+namespace snn = mpipe::snn;
+using mpipe::distributed::ProcessGroup;
+
+/// Identity, or an error when armed: the injected stage failure.
+struct TrapImpl : nn::Module {
+  explicit TrapImpl(int64_t stage) : stage(stage) {}
+  at::Tensor forward(const at::Tensor& x) {
+    TORCH_CHECK(!armed, "injected failure in stage ", stage);
+    return x;
+  }
+  int64_t stage;
+  bool armed = false;
+};
+TORCH_MODULE(Trap);
+
+struct Model {
+  std::vector<nn::Sequential> stages;
+  std::vector<Trap> traps;
+};
+
+enum class Kind { Mlp, MultiStep, SingleStep };
+
+Model build(Kind kind, int64_t n) {
+  torch::manual_seed(static_cast<uint64_t>(kind) * 100 + 7);
+  Model m;
+  for (int64_t s = 0; s < n; ++s) {
+    nn::Sequential seq;
+    if (kind == Kind::Mlp) {
+      seq->push_back(nn::Linear(6, s + 1 == n ? 3 : 6));
+      seq->push_back(nn::Tanh());
+    } else if (kind == Kind::MultiStep) {
+      seq->push_back(snn::SeqToANN(nn::Linear(6, 6), nn::Tanh()));
+      seq->push_back(snn::LIFNode(
+          snn::LIFNodeOptions().v_threshold(0.3).step_mode(snn::StepMode::Multi)));
+    } else {
+      seq->push_back(nn::Linear(6, 6));
+      seq->push_back(nn::Tanh());
+      seq->push_back(snn::LIFNode(snn::LIFNodeOptions().v_threshold(0.3)));
+    }
+    Trap trap(s);
+    seq->push_back(trap);
+    seq->to(torch::kDouble);
+    m.stages.push_back(seq);
+    m.traps.push_back(trap);
+  }
+  return m;
+}
+
+struct Stress {
+  ProcessGroup group;
+  int64_t timeout_ms = 0;
+  std::mt19937_64 draw{12345};  // the same on every rank
+  int64_t passed = 0, failed = 0, injected = 0;
+  bool verbose = std::getenv("MPIPE_STRESS_VERBOSE") != nullptr;  // every call's line
+  std::string first_failure;
+
+  int64_t pick(int64_t lo, int64_t hi) {  // uniform in [lo, hi]
+    return lo + static_cast<int64_t>(draw() % static_cast<uint64_t>(hi - lo + 1));
+  }
+  at::Tensor tensor(std::vector<int64_t> shape, double scale = 1.0) {
+    at::Tensor t = torch::empty(shape, torch::kDouble);
+    auto* p = t.data_ptr<double>();
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (int64_t k = 0; k < t.numel(); ++k) p[k] = u(draw) * scale;
+    return t;
+  }
+  void fail(const std::string& what) {
+    ++failed;
+    if (first_failure.empty()) first_failure = what;
+    std::printf("stress: rank %lld: FAILED %s\n", static_cast<long long>(group.rank()),
+                what.c_str());
+    std::fflush(stdout);
+  }
+  bool close(const at::Tensor& got, const at::Tensor& want) {
+    return got.defined() && got.sizes() == want.sizes() &&
+           torch::allclose(got, want, 1e-10, 1e-12);
+  }
+};
+
+struct Pipe {
+  Kind kind;
+  Model mine, reference;
+  mpipe::ModelPipeline pipe{nullptr};
+  int64_t first = 0;
+
+  Pipe(Kind kind, const ProcessGroup& group, bool threads) : kind(kind) {
+    const int64_t s = group.pipeline_size();
+    const int64_t n = kind == Kind::Mlp ? 2 * s : kind == Kind::MultiStep ? s + 1 : s;
+    mine = build(kind, n);
+    reference = build(kind, n);
+    auto options = mpipe::ModelPipelineOptions().process_group(group).worker_threads(threads);
+    if (kind == Kind::MultiStep) options.step_mode(snn::StepMode::Multi);
+    pipe = mpipe::ModelPipeline(options);
+    const auto range = group.stage_range(n);
+    first = range.first;
+    for (int64_t k = range.first; k < range.second; ++k) {
+      pipe->append(mine.stages[static_cast<size_t>(k)], "cpu");
+    }
+  }
+  void reset() {
+    mpipe::reset_states(*pipe);
+    for (auto& s : reference.stages) mpipe::reset_states(*s);
+  }
+  at::Tensor plain(at::Tensor x) {
+    for (auto& s : reference.stages) x = s->forward(x);
+    return x;
+  }
+  /// The reference's outputs for T steps of `x` ([N, 6]) or of `seq` ([T, N, 6]).
+  at::Tensor plain_steps(const at::Tensor& seq) {
+    for (auto& s : reference.stages) mpipe::reset_states(*s);
+    if (kind == Kind::MultiStep) return plain(seq);
+    std::vector<at::Tensor> outs;
+    for (int64_t t = 0; t < seq.size(0); ++t) outs.push_back(plain(seq[t]));
+    return torch::stack(outs);
+  }
+  /// Every local stage's gradients against the reference's; zeroes both.
+  std::string compare_grads() {
+    std::string bad;
+    for (size_t k = 0; k < pipe->size(); ++k) {
+      const auto got = mine.stages[static_cast<size_t>(first) + k]->parameters();
+      const auto want = reference.stages[static_cast<size_t>(first) + k]->parameters();
+      for (size_t p = 0; p < got.size(); ++p) {
+        const at::Tensor g = got[p].grad(), w = want[p].grad();
+        const bool same = (!g.defined() && !w.defined()) ||
+                          (g.defined() && w.defined() && torch::allclose(g, w, 1e-10, 1e-12));
+        if (!same && bad.empty()) {
+          bad = c10::str("stage ", first + static_cast<int64_t>(k), " parameter ", p);
+        }
+      }
+    }
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    for (auto& s : reference.stages) {
+      for (auto& p : s->parameters()) p.mutable_grad() = at::Tensor();
+    }
+    return bad;
+  }
+};
+
+at::Tensor step_sum(const at::Tensor& steps) {  // summed step by step, as the pipeline does
+  at::Tensor sum = steps[0];
+  for (int64_t t = 1; t < steps.size(0); ++t) sum = sum + steps[t];
+  return sum;
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+/// One call on `p`, checked; `describe` says what it was. Returns false on
+/// an unexpected exception (the group may be broken: stop).
+bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
+  const ProcessGroup& g = st.group;
+  const bool first = g.is_first(), last = g.is_last();
+  std::string what;
+  int64_t trapped = -1;
+  if (inject) {  // every rank arms the same stage; its holder fails
+    trapped = st.pick(0, static_cast<int64_t>(p.mine.traps.size()) - 1);
+    p.mine.traps[static_cast<size_t>(trapped)]->armed = true;
+    ++st.injected;
+  }
+  try {
+    if (p.kind == Kind::Mlp) {
+      const int64_t rows = st.pick(1, 9);
+      const at::Tensor x = st.tensor({rows, 6});
+      if (st.pick(0, 1) == 0) {
+        const int64_t split = st.pick(1, rows);
+        what = c10::str("call ", index, ": forward rows ", rows, " split ", split);
+        torch::NoGradGuard no_grad;
+        const at::Tensor out = p.pipe->forward(first ? x : at::Tensor(), split);
+        if (!inject && last && !st.close(out, p.plain(x))) st.fail(what + ": outputs differ");
+      } else {
+        const at::Tensor y = st.tensor({rows, 3});
+        const int64_t mb = st.pick(1, rows);
+        const int64_t which = st.pick(0, 4);
+        auto options = mpipe::TrainStepOptions(mb);
+        const mpipe::Schedule schedules[] = {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
+                                             mpipe::Schedule::ZeroBubbleH1,
+                                             mpipe::Schedule::Auto,
+                                             mpipe::Schedule::Interleaved1F1B};
+        options.schedule(schedules[which]);
+        if (which == 4) options.virtual_stages(2);
+        what = c10::str("call ", index, ": train_step rows ", rows, " micro-batches ", mb, " ",
+                        mpipe::to_string(schedules[which]));
+        const at::Tensor loss = p.pipe->train_step(first ? x : at::Tensor(),
+                                                   last ? y : at::Tensor(), mse, options);
+        if (!inject) {
+          const at::Tensor want = mse(p.plain(x), y);
+          want.backward();
+          if (last && !st.close(loss, want.detach())) st.fail(what + ": losses differ");
+          const std::string bad = p.compare_grads();
+          if (!bad.empty()) st.fail(what + ": gradients differ at " + bad);
+        }
+      }
+    } else {
+      const int64_t T = st.pick(1, 6), rows = st.pick(1, 5);
+      const at::Tensor x = st.tensor({rows, 6}, 3.0);
+      int64_t chunk = 0;
+      if (p.kind == Kind::MultiStep) {
+        const int64_t c = st.pick(0, 2);
+        chunk = c == 0 ? 1 : c == 1 ? 2 : T;
+      }
+      const int64_t call = st.pick(0, 2);
+      auto chunk_arg = p.kind == Kind::MultiStep ? std::optional<int64_t>(chunk)
+                                                  : std::optional<int64_t>();
+      const char* kind_name = p.kind == Kind::MultiStep ? "multi-step" : "single-step";
+      if (call == 0) {
+        const bool reduce = st.pick(0, 1) == 1;
+        what = c10::str("call ", index, ": constant_forward ", kind_name, " T ", T, " chunk ",
+                        chunk, reduce ? " reduced" : "");
+        torch::NoGradGuard no_grad;
+        const at::Tensor out = p.pipe->constant_forward(first ? x : at::Tensor(), T, reduce,
+                                                        chunk_arg);
+        p.reset();
+        if (!inject && last) {
+          const at::Tensor steps = p.plain_steps(x.unsqueeze(0).expand({T, rows, 6}));
+          const at::Tensor want = reduce ? step_sum(steps) : steps.reshape({T * rows, 6});
+          if (!st.close(out, want)) st.fail(what + ": outputs differ");
+        }
+      } else if (call == 1) {
+        const at::Tensor seq = st.tensor({T, rows, 6}, 3.0);
+        what = c10::str("call ", index, ": sequence_forward ", kind_name, " T ", T, " chunk ",
+                        chunk);
+        torch::NoGradGuard no_grad;
+        const at::Tensor out = p.pipe->sequence_forward(first ? seq : at::Tensor(), false,
+                                                        chunk_arg);
+        p.reset();
+        if (!inject && last && !st.close(out, p.plain_steps(seq))) {
+          st.fail(what + ": outputs differ");
+        }
+      } else {
+        const at::Tensor y = st.tensor({rows, 6});
+        what = c10::str("call ", index, ": constant_train_step ", kind_name, " T ", T, " chunk ",
+                        chunk);
+        const at::Tensor loss = p.pipe->constant_train_step(first ? x : at::Tensor(), T,
+                                                            last ? y : at::Tensor(), mse,
+                                                            chunk_arg);
+        if (!inject) {
+          const at::Tensor want = mse(step_sum(p.plain_steps(x.unsqueeze(0).expand({T, rows, 6}))), y);
+          want.backward();
+          if (last && !st.close(loss, want.detach())) st.fail(what + ": losses differ");
+          const std::string bad = p.compare_grads();
+          if (!bad.empty()) st.fail(what + ": gradients differ at " + bad);
+        }
+      }
+    }
+    if (st.verbose) std::printf("stress: rank %lld: %s%s\n", static_cast<long long>(g.rank()),
+                                what.c_str(), inject ? " (injected)" : "");
+    if (inject) st.fail(what + ": the injected failure in stage " + std::to_string(trapped) +
+                        " was not reported");
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (!inject) {
+      st.fail(what + ": " + msg);
+      return false;
+    }
+    // Every rank hears of it, naming the stage.
+    if (msg.find("injected failure in stage " + std::to_string(trapped)) == std::string::npos) {
+      st.fail(what + ": the injected failure's message does not name stage " +
+              std::to_string(trapped) + ": " + msg);
+      if (msg.find("timed out") != std::string::npos ||
+          msg.find("nothing arrived") != std::string::npos ||
+          msg.find("failed in an earlier call") != std::string::npos) {
+        return false;
+      }
+    }
+    p.mine.traps[static_cast<size_t>(trapped)]->armed = false;
+    p.reset();
+    p.compare_grads();  // a failed step's partial gradients are not compared
+    return true;
+  }
+  if (inject) p.mine.traps[static_cast<size_t>(trapped)]->armed = false;
+  ++st.passed;
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t calls = 200, replicas = 1;
+  double timeout_s = 60;
+  for (int k = 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a.rfind("--calls=", 0) == 0) calls = std::stoll(a.substr(8));
+    else if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
+    else if (a.rfind("--timeout=", 0) == 0) timeout_s = std::stod(a.substr(10));
+    else {
+      std::fprintf(stderr, "usage: mpipe_dist_stress [--calls=N] [--replicas=R] [--timeout=S]\n");
+      return 2;
+    }
+  }
+  if (!mpipe::distributed::available()) {
+    std::printf("mpipe was built without c10d: nothing to test\n");
+    return 77;
+  }
+  Stress st;
+  st.group = mpipe::distributed::init_from_env(
+      mpipe::distributed::GroupOptions()
+          .replicas(replicas)
+          .backend(mpipe::distributed::Backend::Gloo)
+          .timeout(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))));
+  const auto start = std::chrono::steady_clock::now();
+  {
+    // Both worker modes: threaded pipelines for A and B, inline for C.
+    Pipe a(Kind::Mlp, st.group, true), b(Kind::MultiStep, st.group, true),
+        c(Kind::SingleStep, st.group, false);
+    Pipe* pipes[] = {&a, &b, &c};
+    int64_t next_injection = st.pick(30, 70);
+    for (int64_t k = 0; k < calls; ++k) {
+      Pipe& p = *pipes[st.pick(0, 2)];
+      const bool inject = k == next_injection;
+      if (inject) next_injection = k + st.pick(30, 70);
+      if (!one_call(st, p, k, inject)) break;
+    }
+  }
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("stress: rank %lld: %lld calls (%lld with an injected failure) in %.1f s, "
+              "%.2f ms per call\n",
+              static_cast<long long>(st.group.rank()), static_cast<long long>(calls),
+              static_cast<long long>(st.injected), took, 1000.0 * took / std::max<int64_t>(calls, 1));
+  std::printf("stress: %lld passed, %lld failed\n", static_cast<long long>(st.passed),
+              static_cast<long long>(st.failed));
+  std::fflush(stdout);
+  if (st.failed == 0) {
+    try {
+      st.group.barrier();
+    } catch (const std::exception& e) {
+      std::printf("the closing barrier failed: %s\n", e.what());
+      return 1;
+    }
+    st.group = {};
+    return 0;
+  }
+  std::_Exit(1);  // the group may be broken: no teardown
+}
