@@ -9,6 +9,8 @@
 # the reference class's bench_seed.py (copied to .devdata/seed) and
 # bench/compare.py's table; soak = bench/mpipe_soak on cuda:0;
 # gtest = mpipe_tests with --gtest_filter=$MPIPE_GTEST_FILTER;
+# stress = scripts/stress.sh (the cross-process stress test's long form) while
+# every ctest test runs beside it with -j 8 (ctest-beside.log);
 # profile = one profiled call per measurement of mpipe_bench --only
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
@@ -58,6 +60,16 @@ if [[ " $steps " == *" tests "* ]]; then
   # The one-GPU tests again, verbosely; on this machine none may skip itself.
   step gpu-tests bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='*_CUDA' 2>&1 \
     | tee -a '$log' > '$out/gpu-tests.txt' && ! grep '^\[  SKIPPED \]' '$out/gpu-tests.txt'"
+fi
+if [[ " $steps " == *" stress "* ]]; then
+  # The cross-process stress test's long form (scripts/stress.sh) while the
+  # whole ctest suite runs beside it with -j 8 (issue 30).
+  (cd "$bin" && ctest -j 8 > "$out/ctest-beside.log" 2>&1; echo "ctest beside: exit $?" >> "$out/ctest-beside.log") &
+  beside=$!
+  step stress bash -o pipefail -c "MPIPE_BUILD_DIR='$bin' bash scripts/stress.sh 2>&1 | tee -a '$log'"
+  wait "$beside"
+  tail -n 4 "$out/ctest-beside.log" | tee -a "$log"
+  grep -q "ctest beside: exit 0" "$out/ctest-beside.log" || { failed+=(ctest-beside); status=1; }
 fi
 if [[ " $steps " == *" gtest "* ]]; then
   step gtest bash -o pipefail -c "'$bin/tests/mpipe_tests' --gtest_filter='${MPIPE_GTEST_FILTER:-*_CUDA}' 2>&1 \

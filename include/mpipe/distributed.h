@@ -48,9 +48,11 @@ const char* to_string(Backend backend);
 
 struct GroupOptions {
   TORCH_ARG(Backend, backend) = Backend::Auto;
-  /// The longest any rank waits for another: at the rendezvous, and during a
-  /// call for the next message from a peer it is connected to. A rank that
-  /// dies or stalls makes the others fail within it (plus a few seconds).
+  /// The longest any rank waits for another: at the rendezvous, at a
+  /// pipeline's first call, and during a call for the next message from
+  /// another rank. A rank that dies makes the others fail at once; one that
+  /// stalls, within this timeout plus half a second per pipeline rank plus
+  /// 2 s, every report naming the stalled rank (docs/distributed.md).
   /// Make it longer than the slowest stage's work in one call.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// Data-parallel replicas R of the pipeline: the world's W ranks form R

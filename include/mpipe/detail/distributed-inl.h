@@ -323,12 +323,11 @@ class GlooLink final : public Link {
     bool abandoned = false;  // finish() gave up on the peer
   };
 
-  // Note [Message addresses] (the debug hook)
-  // With MPIPE_DEBUG_CHAOS=<seed>, every received message is handed over
-  // after a random delay of up to kDelayUs, so messages from different peers
-  // and of different items overtake one another; a peer's End or Abort waits
-  // until its earlier messages were handed over. RemoteCall adds a random
-  // pause before each phase change. Tests run the calls under it.
+  // The receiving half of the debug hook (Note [Message addresses] in
+  // remote-inl.h): with MPIPE_DEBUG_CHAOS=<seed>, every received message is
+  // handed over after a random delay of up to kDelayUs, so that messages
+  // from different peers and of different items overtake one another; a
+  // peer's End or Abort waits until its earlier messages were handed over.
   class Chaos {
    public:
     Chaos(uint64_t seed, size_t n_peers,
@@ -601,43 +600,78 @@ MPIPE_FUNC std::unique_ptr<Link> open_link(const distributed::ProcessGroup& grou
 
 MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
                                                       int64_t pipeline_id, int64_t mine) {
-  // An allgather over the world (every rank connects its pipelines in the same
-  // order, at their first calls). Each rank first leaves a mark in the store,
-  // so that when the allgather times out the ranks that never came can be
-  // named (a rank stalled before the pipeline's first call).
+  // Every rank sends its count to every other rank of the world and waits
+  // for theirs, each with the group's timeout: unlike one collective, that
+  // names the ranks that never came (stalled before the pipeline's first
+  // call). Every rank connects its pipelines in the same order; the tag is
+  // the pipeline's, offset past the calls' tags. (The store would do too,
+  // but its locks are taken inside LibTorch, where ThreadSanitizer cannot
+  // see them.)
   Impl& g = *group.impl();
   const std::string broken = g.broken_reason();
   TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
               "restart every rank");
-  auto mark = [&](int64_t rank) { return c10::str("mpipe/arrived/", pipeline_id, "/", rank); };
-  std::vector<at::Tensor> in{at::full({1}, mine, at::kLong)};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < g.world; ++r) out[0].push_back(at::empty({1}, at::kLong));
-  try {
-    g.comm->store->set(mark(g.rank), std::vector<uint8_t>{1});
-    g.comm->world->allgather(out, in)->wait();
-  } catch (...) {
-    const std::string what = message_of(std::current_exception());
-    std::string missing;
+  const int tag = static_cast<int>((int64_t{1} << 24) + pipeline_id);
+  std::vector<at::Tensor> got(static_cast<size_t>(g.world));
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends, receives(static_cast<size_t>(g.world));
+  const at::Tensor count = at::full({1}, mine, at::kLong);
+  for (int64_t r = 0; r < g.world; ++r) {
+    if (r == g.rank) continue;
+    std::vector<at::Tensor> out{count};
+    sends.push_back(g.comm->world->send(out, static_cast<int>(r), tag));
+    got[static_cast<size_t>(r)] = at::empty({1}, at::kLong);
+    std::vector<at::Tensor> in{got[static_cast<size_t>(r)]};
+    receives[static_cast<size_t>(r)] = g.comm->world->recv(in, static_cast<int>(r), tag);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
+  std::string missing, why_first;
+  for (int64_t r = 0; r < g.world; ++r) {
+    if (r == g.rank) continue;
     try {
-      for (int64_t r = 0; r < g.world; ++r) {
-        if (!g.comm->store->check({mark(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      }
-    } catch (...) {  // the store is gone too: the rank that hosts it (rank 0) is
-      missing = "0";
+      receives[static_cast<size_t>(r)]->wait(left());
+    } catch (...) {
+      missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (why_first.empty()) why_first = message_of(std::current_exception());
     }
+  }
+  if (missing.empty()) {
+    for (auto& w : sends) {
+      try {
+        w->wait(left());
+      } catch (...) {
+        if (why_first.empty()) why_first = message_of(std::current_exception());
+      }
+    }
+  }
+  if (!missing.empty() || !why_first.empty()) {
+    std::lock_guard<std::mutex> keep(g.comm->abandoned_mutex);  // Gloo may still use them
+    for (auto& w : receives) {
+      if (w) g.comm->abandoned.push_back(w);
+    }
+    for (auto& w : sends) g.comm->abandoned.push_back(w);
+  }
+  if (!missing.empty()) {
     const std::string why =
-        missing.empty()
-            ? c10::str("the ranks could not agree on the stages (", what, ")")
-            : c10::str("rank", missing.find(',') == std::string::npos ? " " : "s ", missing,
-                       " did not reach the pipeline's first call within ",
-                       g.timeout.count() / 1000.0, " s (stalled or gone?)");
+        c10::str("rank", missing.find(',') == std::string::npos ? " " : "s ", missing,
+                 " did not reach the pipeline's first call within ", g.timeout.count() / 1000.0,
+                 " s (stalled or gone?)");
+    g.break_group(why);
+    TORCH_CHECK(false, why);
+  }
+  if (!why_first.empty()) {
+    const std::string why = c10::str("the ranks could not exchange their stages: ", why_first);
     g.break_group(why);
     TORCH_CHECK(false, why);
   }
   std::vector<int64_t> counts;
   for (int64_t p = 0; p < g.pipeline_size(); ++p) {
-    counts.push_back(out[0][static_cast<size_t>(g.world_rank(p))].item<int64_t>());
+    const int64_t r = g.world_rank(p);
+    counts.push_back(r == g.rank ? mine : got[static_cast<size_t>(r)].item<int64_t>());
   }
   return counts;
 }

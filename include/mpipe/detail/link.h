@@ -82,8 +82,9 @@ std::unique_ptr<Link> open_link(const distributed::ProcessGroup& group, int64_t 
                                 int64_t seq, LinkHandlers handlers);
 
 /// Every pipeline rank's stage count of pipeline `pipeline_id`, this rank's
-/// being `mine` (an allgather over the world: every rank calls it, in the same
-/// order, at each pipeline's first call).
+/// being `mine`: a message to and from every rank of the world, each waited
+/// for with the timeout, so that the error names the ranks that never came.
+/// Every rank calls it, in the same order, at each pipeline's first call.
 std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
                                            int64_t pipeline_id, int64_t mine);
 

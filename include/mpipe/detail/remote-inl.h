@@ -22,8 +22,8 @@ namespace detail {
 // Note [Cross-process calls]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A pipeline on a process group holds, on each rank, a contiguous range of
-// the global stages; the ranges are exchanged by an allgather over the world at
-// the first call (Layout). Every call then runs in four steps on every rank:
+// the global stages; the ranges are exchanged with every rank of the world
+// at the first call (Layout). Every call then runs in four steps on every rank:
 //  1. open: a link to every other rank of the pipeline (distributed-inl.h): a
 //     receiving thread per peer reads that peer's messages in the order they
 //     were sent (one Gloo tag per pipeline, so order is all that matches
@@ -46,15 +46,44 @@ namespace detail {
 //     peer's End, so the next call starts on clean channels even after an
 //     error, and a rank that finished its own work still fails when another
 //     rank failed ("rank 2 failed: ..."), naming the stage and item.
+// Every rank takes part in that exchange, also one that appended no stage: then every rank fails naming it. A rank
+// that appends a stage after the first call fails its next calls through the
+// call itself (step 4 carries its error to every rank).
 // A peer that dies breaks its connection (the receiving thread fails at once).
 // One that stalls leaves the ranks after it waiting for inputs and those
-// before it for gradients, each behind the next: a receive waits the group's
-// timeout plus half a second per rank between it and the pipeline's end it
-// waits on, so the stalled rank's neighbour gives up first and its Abort,
-// naming the stalled rank, reaches the others before they give up; the call
-// ends a few seconds later without the stalled rank's End. Either marks the
-// group broken: later calls fail at once (restart every rank). Errors in a
-// stage or in a call's arguments leave the group usable.
+// before it for gradients, each behind the next: a receive from another rank
+// waits the group's timeout plus half a second per rank between it and the
+// pipeline's end it waits on, so the stalled rank's neighbour gives up first
+// and its Abort, naming the stalled rank, reaches the others before they give
+// up; a receive from a stage of the same rank waits without a timeout (that
+// stage delivers or the call fails), so no rank ever names itself. The call
+// then ends within kAnswer without the stalled rank's End (Note [Ending a
+// call] in distributed-inl.h). A rank stalled before the pipeline's first
+// call is named by the exchange of the stage ranges (one message to and from
+// every rank, each waited for with the timeout). A
+// stall, a death or a broken protocol marks the group broken: later calls
+// fail at once (restart every rank). Errors in a stage or in a call's
+// arguments leave the group usable.
+//
+// Note [Message addresses]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A call can run in phases, each with its own transport: the executor's run,
+// and for constant_train_step the backward pass across ranks after it. A
+// peer may start the next phase, and send its first messages, while this
+// rank still finishes the previous one (the last rank's gradients can come
+// back before the first rank's forward has detached). So every Data message
+// is addressed: its call (the header's pipeline and sequence number, checked
+// by the receiving thread), its phase (the k-th attach on the sending rank is
+// phase k on every rank, since every rank runs the same code), and its item,
+// stage and kind (the transport's key). RemoteCall hands a message to the
+// transport of its phase only; one for a phase not yet attached waits in
+// early_ until it attaches, and none is handed to another phase's transport.
+// The debug hook MPIPE_DEBUG_CHAOS=<seed> stretches exactly these windows:
+// it delays every received message by up to 3 ms at random (so messages
+// overtake one another) and pauses before each phase change, 20-60 ms in a
+// third of them. The stress test runs under it: before phases were
+// addressed it lost constant_train_step's gradients within 300 calls on 2, 3
+// and 4 ranks (docs/RELIABILITY.md).
 
 MPIPE_FUNC int64_t debug_chaos_seed() {
   static const int64_t seed = [] {
