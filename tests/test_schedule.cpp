@@ -2,59 +2,59 @@
 
 #include <mpipe/schedule.h>
 
+#include <map>
 #include <set>
 #include <utility>
 
-using mpipe::schedules::Clock;
-using mpipe::schedules::Task;
-using mpipe::schedules::fill_drain;
+namespace sch = mpipe::schedules;
 
-TEST(Schedule, FillDrainExactSmall) {
-  // 3 micro-batches through 2 stages.
-  const std::vector<Clock> expected = {
-      {{0, 0}},
-      {{0, 1}, {1, 0}},
-      {{0, 2}, {1, 1}},
-      {{1, 2}},
-  };
-  EXPECT_EQ(fill_drain(3, 2), expected);
-  // 2 items through 3 stages.
-  const std::vector<Clock> expected2 = {
-      {{0, 0}},
-      {{0, 1}, {1, 0}},
-      {{1, 1}, {2, 0}},
-      {{2, 1}},
-  };
-  EXPECT_EQ(fill_drain(2, 3), expected2);
-  EXPECT_EQ(fill_drain(1, 1), (std::vector<Clock>{{{0, 0}}}));
+/// (stage, micro-batch) -> start tick of forward_only's programs under
+/// simulate with unit costs.
+std::map<std::pair<int64_t, int64_t>, double> forward_starts(int64_t m, int64_t n) {
+  std::map<std::pair<int64_t, int64_t>, double> starts;
+  for (const auto& t : sch::simulate(sch::forward_only(m, n))) {
+    EXPECT_EQ(t.op.kind, sch::OpKind::Forward);
+    EXPECT_TRUE(starts.emplace(std::make_pair(t.op.stage, t.op.micro_batch), t.start).second);
+  }
+  return starts;
 }
 
-TEST(Schedule, FillDrainInvariants) {
+TEST(Schedule, ForwardOnlyIsAWavefrontSmall) {
+  // 3 micro-batches through 2 stages, and 2 through 3.
+  using Starts = std::map<std::pair<int64_t, int64_t>, double>;
+  EXPECT_EQ(forward_starts(3, 2),
+            (Starts{{{0, 0}, 0}, {{0, 1}, 1}, {{0, 2}, 2}, {{1, 0}, 1}, {{1, 1}, 2}, {{1, 2}, 3}}));
+  EXPECT_EQ(forward_starts(2, 3),
+            (Starts{{{0, 0}, 0}, {{0, 1}, 1}, {{1, 0}, 1}, {{1, 1}, 2}, {{2, 0}, 2}, {{2, 1}, 3}}));
+  EXPECT_EQ(sch::forward_only(1, 1), (std::vector<sch::Program>{{sch::F(0, 0)}}));
+}
+
+TEST(Schedule, ForwardOnlyInvariants) {
   for (int64_t m = 1; m <= 7; ++m) {
     for (int64_t n = 1; n <= 6; ++n) {
-      const auto clocks = fill_drain(m, n);
-      ASSERT_EQ(static_cast<int64_t>(clocks.size()), m + n - 1) << m << "x" << n;
-      std::set<std::pair<int64_t, int64_t>> seen;
-      std::vector<int64_t> next_item(static_cast<size_t>(n), 0);
-      for (size_t k = 0; k < clocks.size(); ++k) {
-        std::set<int64_t> stages_this_clock;
-        for (const Task& t : clocks[k]) {
-          EXPECT_EQ(t.stage + t.index, static_cast<int64_t>(k));  // wavefront
-          EXPECT_TRUE(stages_this_clock.insert(t.stage).second);  // one task per stage
-          EXPECT_TRUE(seen.insert({t.stage, t.index}).second);    // each task once
-          EXPECT_EQ(t.index, next_item[t.stage]++);               // items in order
+      const auto programs = sch::forward_only(m, n);
+      ASSERT_EQ(static_cast<int64_t>(programs.size()), n);
+      for (int64_t s = 0; s < n; ++s) {  // each stage's items in order, once
+        ASSERT_EQ(static_cast<int64_t>(programs[static_cast<size_t>(s)].size()), m);
+        for (int64_t i = 0; i < m; ++i) {
+          EXPECT_EQ(programs[static_cast<size_t>(s)][static_cast<size_t>(i)], sch::F(i, s));
         }
       }
-      EXPECT_EQ(static_cast<int64_t>(seen.size()), m * n);
+      EXPECT_NO_THROW(sch::validate(programs, n, m, /*backward=*/false));
+      const auto starts = forward_starts(m, n);
+      ASSERT_EQ(static_cast<int64_t>(starts.size()), m * n);
+      for (const auto& e : starts) {  // the wavefront: tick i + s
+        EXPECT_EQ(e.second, static_cast<double>(e.first.first + e.first.second)) << m << "x" << n;
+      }
+      EXPECT_EQ(sch::makespan(programs), static_cast<double>(m + n - 1));
     }
   }
 }
 
-TEST(Schedule, FillDrainEmptyAndInvalid) {
-  EXPECT_TRUE(fill_drain(0, 4).empty());
-  EXPECT_TRUE(fill_drain(4, 0).empty());
-  EXPECT_THROW(fill_drain(-1, 2), std::invalid_argument);
-  EXPECT_THROW(fill_drain(2, -1), std::invalid_argument);
+TEST(Schedule, ForwardOnlyRefusesEmptySizes) {
+  EXPECT_THROW(sch::forward_only(0, 4), c10::Error);
+  EXPECT_THROW(sch::forward_only(4, 0), c10::Error);
+  EXPECT_THROW(sch::forward_only(-1, 2), c10::Error);
 }
 
 TEST(Schedule, BubbleFraction) {
@@ -204,17 +204,17 @@ TEST(TrainingSchedule, InvariantsOverAGrid) {
 }
 
 TEST(TrainingSchedule, BadProgramsAreRejected) {
-  EXPECT_THROW(sch::gpipe(0, 2), std::invalid_argument);
-  EXPECT_THROW(sch::one_f_one_b(2, 0), std::invalid_argument);
-  EXPECT_THROW(sch::zero_bubble_h1(0, 1), std::invalid_argument);
-  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 3, 2), std::invalid_argument);  // 2 does not divide 3
-  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 4, 0), std::invalid_argument);
+  EXPECT_THROW(sch::gpipe(0, 2), c10::Error);
+  EXPECT_THROW(sch::one_f_one_b(2, 0), c10::Error);
+  EXPECT_THROW(sch::zero_bubble_h1(0, 1), c10::Error);
+  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 3, 2), c10::Error);  // 2 does not divide 3
+  EXPECT_THROW(sch::interleaved_one_f_one_b(4, 4, 0), c10::Error);
   auto rejects = [](const std::vector<sch::Program>& p, int64_t n, int64_t m,
                     const std::string& why) {
     try {
       sch::validate(p, n, m);
       ADD_FAILURE() << "accepted: " << describe(p);
-    } catch (const std::invalid_argument& e) {
+    } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
     }
   };
@@ -231,9 +231,9 @@ TEST(TrainingSchedule, BadProgramsAreRejected) {
   const std::vector<sch::Program> cycle = {{F(0, 0), B(0, 0), F(1, 0), B(1, 0)},
                                            {F(1, 1), B(1, 1), F(0, 1), B(0, 1)}};
   EXPECT_NO_THROW(sch::validate(cycle, 2, 2));
-  EXPECT_THROW(sch::simulate(cycle), std::invalid_argument);
-  EXPECT_THROW(sch::simulate(sch::gpipe(2, 2), {{1, -1, 1, 0}}), std::invalid_argument);
-  EXPECT_THROW(sch::simulate(sch::gpipe(2, 3), {{}, {}}), std::invalid_argument);  // 2 costs, 3 stages
+  EXPECT_THROW(sch::simulate(cycle), c10::Error);
+  EXPECT_THROW(sch::simulate(sch::gpipe(2, 2), {{1, -1, 1, 0}}), c10::Error);
+  EXPECT_THROW(sch::simulate(sch::gpipe(2, 3), {{}, {}}), c10::Error);  // 2 costs, 3 stages
 }
 
 TEST(ScheduleChoice, PicksTheFastestThatFits) {
@@ -299,7 +299,7 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   EXPECT_DOUBLE_EQ(c.candidates[3].time, 87);
   EXPECT_EQ(c.schedule, Schedule::OneFOneB);
   EXPECT_THROW(mpipe::choose_schedule(8, 4, TrainStepOptions(1).activation_bytes({1})),
-               std::invalid_argument);
+               c10::Error);
 }
 
 // The one-device cases of Note [Choosing a schedule], with its numbers.

@@ -5,68 +5,73 @@
 #define MPIPE_DETAIL_OUTER 13
 #endif
 
-// Pure schedule functions: which stage runs which item (micro-batch or time
-// step) at each clock tick. They hold no tensors and no threads, so they are
-// tested exactly; the runtime follows them (docs/design.md, "One runtime").
+// Schedules: `Schedule`, the names train_step takes, and the pure functions
+// behind them: which worker runs which stage's operations on which item
+// (micro-batch or time step), in what order (Note [Programs]). They hold no
+// tensors and no threads, so they are tested exactly; the runtime follows
+// them (docs/design.md, "One runtime"). Bad arguments throw c10::ValueError.
+
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <ostream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace mpipe {
-namespace schedules {
 
-/// One unit of work: `stage` runs item `index` (a micro-batch, or a time step).
-struct Task {
-  int64_t stage;
-  int64_t index;
-  friend bool operator==(const Task& a, const Task& b) {
-    return a.stage == b.stage && a.index == b.index;
-  }
-  friend bool operator!=(const Task& a, const Task& b) { return !(a == b); }
+enum class Schedule {
+  /// Fill-drain: all forwards, then all backwards (schedules::gpipe).
+  GPipe,
+  /// One forward, one backward (schedules::one_f_one_b): the same time, with
+  /// at most n_stages micro-batches' activations alive instead of all.
+  OneFOneB,
+  /// Megatron-LM's interleaved 1F1B over TrainStepOptions::virtual_stages
+  /// chunks per worker (schedules::interleaved_one_f_one_b): stage s runs on
+  /// worker s % (n_stages / virtual_stages). A smaller bubble for more
+  /// hand-offs. Place stage s on the device of stage s % d when you append it.
+  Interleaved1F1B,
+  /// ZB-H1 zero-bubble (schedules::zero_bubble_h1): each backward split into
+  /// the input gradient and the weight gradient, the latter deferred into the
+  /// bubbles; 1F1B's peak memory.
+  ZeroBubbleH1,
+  /// The schedule with the least predicted step time whose predicted
+  /// activation memory fits TrainStepOptions::memory_limit (choose_schedule,
+  /// Note [Choosing a schedule]); the timeline names the one that ran.
+  Auto,
 };
 
-using Clock = std::vector<Task>;
-
-/// Fill-drain wavefront (GPipe's forward): at clock k, stage j runs item k - j
-/// for every stage j where that item exists; n_items + n_stages - 1 clocks in
-/// all. Within a clock, tasks are listed by ascending stage. Every stage runs
-/// every item exactly once, items in order, and item i reaches stage j only
-/// after stage j - 1 finished it (at an earlier clock).
-inline std::vector<Clock> fill_drain(int64_t n_items, int64_t n_stages) {
-  if (n_items < 0 || n_stages < 0) {
-    throw std::invalid_argument("mpipe::schedules::fill_drain: sizes must be >= 0, got n_items=" +
-                                std::to_string(n_items) +
-                                ", n_stages=" + std::to_string(n_stages));
+/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1" or "Auto".
+inline const char* to_string(Schedule s) {
+  switch (s) {
+    case Schedule::GPipe: return "GPipe";
+    case Schedule::OneFOneB: return "1F1B";
+    case Schedule::Interleaved1F1B: return "Interleaved1F1B";
+    case Schedule::ZeroBubbleH1: return "ZB-H1";
+    case Schedule::Auto: return "Auto";
   }
-  std::vector<Clock> clocks;
-  if (n_items == 0 || n_stages == 0) return clocks;
-  const int64_t n_clocks = n_items + n_stages - 1;
-  clocks.reserve(static_cast<size_t>(n_clocks));
-  for (int64_t k = 0; k < n_clocks; ++k) {
-    Clock clock;
-    const int64_t first = k - n_items + 1 > 0 ? k - n_items + 1 : 0;
-    const int64_t last = k < n_stages - 1 ? k : n_stages - 1;
-    for (int64_t j = first; j <= last; ++j) clock.push_back(Task{j, k - j});
-    clocks.push_back(std::move(clock));
-  }
-  return clocks;
+  return "?";
 }
 
-/// Fraction of stage-clock slots left idle by fill_drain: (n - 1) / (m + n - 1).
+namespace schedules {
+
+/// Fraction of stage time left idle by forward_only's wavefront with equal
+/// stages: (n - 1) / (m + n - 1).
 inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
   if (n_items <= 0 || n_stages <= 0) return 0.0;
   return static_cast<double>(n_stages - 1) / static_cast<double>(n_items + n_stages - 1);
 }
 
-// ---------------------------------------------------------------------------
+// Note [Programs]
+// ~~~~~~~~~~~~~~~
 // Training schedules. A schedule is a program per worker ("rank"): the
-// operations that worker runs, in order. An operation names its stage, so a
-// rank may run several stages (interleaved 1F1B runs stages r, r + d, r + 2d,
-// ... on rank r). An operation waits only for its data:
+// operations that worker runs, in order. The built-in schedules below make
+// them, and a user may write them too (TrainStepOptions::programs): the
+// runtime runs any programs that validate() accepts and simulate() can
+// finish. An operation names its stage, so a rank may run several stages
+// (interleaved 1F1B runs stages r, r + d, r + 2d, ... on rank r). An
+// operation waits only for its data:
 //   F(s, i)  forward of micro-batch i on stage s: after F(s - 1, i);
 //   B(s, i)  full backward: after F(s, i) and the gradient from stage s + 1
 //            (B or I of (s + 1, i)); the last stage's after its own F(s, i),
@@ -122,11 +127,8 @@ using Program = std::vector<Op>;
 
 namespace detail {
 inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
-  if (n_micro <= 0 || n_stages <= 0) {
-    throw std::invalid_argument(std::string("mpipe::schedules::") + who +
-                                ": sizes must be positive, got n_micro=" +
-                                std::to_string(n_micro) + ", n_stages=" + std::to_string(n_stages));
-  }
+  TORCH_CHECK_VALUE(n_micro > 0 && n_stages > 0, "mpipe::schedules::", who,
+                    ": sizes must be positive, got n_micro=", n_micro, ", n_stages=", n_stages);
 }
 /// `warmup` forwards, then one forward and one backward in turn, then the
 /// remaining backwards: the 1F1B order of a rank's forwards and backwards.
@@ -146,7 +148,8 @@ inline Program one_forward_one_backward(const Program& forwards, const Program& 
 
 /// The program of a call with no backward (forward, constant_forward,
 /// sequence_forward): rank s runs F(0, s), ..., F(n_items - 1, s). simulate
-/// runs it as fill_drain's wavefront.
+/// runs it as a fill-drain wavefront: with equal stages F(i, s) starts at
+/// tick i + s, n_items + n_stages - 1 ticks in all.
 inline std::vector<Program> forward_only(int64_t n_items, int64_t n_stages) {
   detail::check_sizes("forward_only", n_items, n_stages);
   std::vector<Program> programs(static_cast<size_t>(n_stages));
@@ -199,11 +202,9 @@ inline std::vector<Program> one_f_one_b(int64_t n_micro, int64_t n_stages) {
 inline std::vector<Program> interleaved_one_f_one_b(int64_t n_micro, int64_t n_stages,
                                                     int64_t virtual_stages) {
   detail::check_sizes("interleaved_one_f_one_b", n_micro, n_stages);
-  if (virtual_stages <= 0 || n_stages % virtual_stages != 0) {
-    throw std::invalid_argument(
-        "mpipe::schedules::interleaved_one_f_one_b: virtual_stages must be positive and divide "
-        "the stage count " + std::to_string(n_stages) + ", got " + std::to_string(virtual_stages));
-  }
+  TORCH_CHECK_VALUE(virtual_stages > 0 && n_stages % virtual_stages == 0,
+                    "mpipe::schedules::interleaved_one_f_one_b: virtual_stages must be positive "
+                    "and divide the stage count ", n_stages, ", got ", virtual_stages);
   if (virtual_stages == 1) return one_f_one_b(n_micro, n_stages);
   // Built for n_micro rounded up to whole groups; the padding's operations are
   // then dropped. Dropping operations keeps a schedule deadlock-free (no real
@@ -257,14 +258,14 @@ inline std::vector<Program> zero_bubble_h1(int64_t n_micro, int64_t n_stages) {
   return programs;
 }
 
-/// Throws std::invalid_argument unless the programs run, for every stage s <
-/// n_stages and micro-batch i < n_micro, F(i, s) exactly once and then either
+/// Throws c10::ValueError (a c10::Error) unless the programs run, for every
+/// stage s < n_stages and micro-batch i < n_micro, F(i, s) exactly once and then either
 /// B(i, s) once or I(i, s) once and later W(i, s) once, all of a stage's
 /// operations on one rank (with `backward` = false: F only).
 inline void validate(const std::vector<Program>& programs, int64_t n_stages, int64_t n_micro,
                      bool backward = true) {
   auto fail = [](const std::string& what) {
-    throw std::invalid_argument("mpipe::schedules::validate: " + what);
+    TORCH_CHECK_VALUE(false, "mpipe::schedules::validate: " + what);
   };
   if (n_stages <= 0 || n_micro <= 0) {
     fail("sizes must be positive, got n_stages=" + std::to_string(n_stages) +
@@ -355,39 +356,35 @@ struct TimedOp {
 /// every rank its own) names the device each rank computes on; ranks on one
 /// device run one operation at a time between them, the earliest-ready first.
 /// Returns every operation with its start and end, by start time
-/// (dependencies first). Throws std::invalid_argument if the programs cannot
-/// finish (a dependency cycle, a missing operation) or a cost is negative.
+/// (dependencies first). Throws c10::ValueError (a c10::Error) if the
+/// programs cannot finish (a dependency cycle, a missing operation) or a cost
+/// is negative.
 inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const Costs& costs = {},
                                      const std::vector<int64_t>& devices = {}) {
   int64_t n = 0, m = 0;
   size_t remaining = 0;
   for (const auto& p : programs) {
     for (const Op& op : p) {
-      if (op.stage < 0 || op.micro_batch < 0) {
-        throw std::invalid_argument("mpipe::schedules::simulate: negative index in " + to_string(op));
-      }
+      TORCH_CHECK_VALUE(op.stage >= 0 && op.micro_batch >= 0,
+                        "mpipe::schedules::simulate: negative index in ", to_string(op));
       n = std::max(n, op.stage + 1);
       m = std::max(m, op.micro_batch + 1);
     }
     remaining += p.size();
   }
-  if (costs.size() > 1 && static_cast<int64_t>(costs.size()) < n) {
-    throw std::invalid_argument("mpipe::schedules::simulate: " + std::to_string(costs.size()) +
-                                " costs for " + std::to_string(n) + " stages");
-  }
-  if (!devices.empty() && devices.size() != programs.size()) {
-    throw std::invalid_argument("mpipe::schedules::simulate: " + std::to_string(devices.size()) +
-                                " devices for " + std::to_string(programs.size()) + " ranks");
-  }
+  TORCH_CHECK_VALUE(costs.size() <= 1 || static_cast<int64_t>(costs.size()) >= n,
+                    "mpipe::schedules::simulate: ", costs.size(), " costs for ", n, " stages");
+  TORCH_CHECK_VALUE(devices.empty() || devices.size() == programs.size(),
+                    "mpipe::schedules::simulate: ", devices.size(), " devices for ",
+                    programs.size(), " ranks");
   auto cost = [&](int64_t s) -> StageCost {
     return costs.empty() ? StageCost{} : costs[costs.size() == 1 ? 0 : static_cast<size_t>(s)];
   };
   for (int64_t s = 0; s < n; ++s) {
     const StageCost c = cost(s);
-    if (!(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 && c.transfer >= 0)) {
-      throw std::invalid_argument("mpipe::schedules::simulate: stage " + std::to_string(s) +
-                                  " has a negative or NaN cost");
-    }
+    TORCH_CHECK_VALUE(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
+                          c.transfer >= 0,
+                      "mpipe::schedules::simulate: stage ", s, " has a negative or NaN cost");
   }
   const double unset = -1;
   // End times per (stage, micro-batch): forward, and input gradient (B or I).
@@ -449,7 +446,7 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
                                                   to_string(programs[r][pc[r]]));
         }
       }
-      throw std::invalid_argument("mpipe::schedules::simulate: the programs cannot finish (" +
+      TORCH_CHECK_VALUE(false, "mpipe::schedules::simulate: the programs cannot finish (" +
                                   stuck + " wait for operations that never run)");
     }
     const Op op = programs[best][pc[best]];
@@ -486,7 +483,7 @@ inline double makespan(const std::vector<Program>& programs, const Costs& costs 
 /// Fraction of rank time left idle when `programs` run as in simulate:
 /// 1 - (sum of operation times) / (ranks * makespan) (ranks sharing a device
 /// count once). For GPipe and 1F1B with equal stages it is
-/// (n - 1) / (m + n - 1), as for fill_drain.
+/// (n - 1) / (m + n - 1), as for forward_only (fill_drain_bubble).
 inline double bubble(const std::vector<Program>& programs, const Costs& costs = {},
                      const std::vector<int64_t>& devices = {}) {
   const auto ops = simulate(programs, costs, devices);
@@ -527,6 +524,21 @@ inline int64_t peak_in_flight(const Program& program) {
 }
 
 }  // namespace schedules
+
+/// The programs `s` gives n_stages stages (not Auto), one per worker.
+inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
+                                                    int64_t virtual_stages = 1) {
+  switch (s) {
+    case Schedule::GPipe: return schedules::gpipe(n_micro, n_stages);
+    case Schedule::OneFOneB: return schedules::one_f_one_b(n_micro, n_stages);
+    case Schedule::Interleaved1F1B:
+      return schedules::interleaved_one_f_one_b(n_micro, n_stages, virtual_stages);
+    case Schedule::ZeroBubbleH1: return schedules::zero_bubble_h1(n_micro, n_stages);
+    case Schedule::Auto: break;
+  }
+  TORCH_CHECK_VALUE(false, "mpipe::programs_for: Auto is not a schedule; use choose_schedule");
+}
+
 }  // namespace mpipe
 
 #if MPIPE_DETAIL_OUTER == 13

@@ -16,45 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <stdexcept>
 #include <utility>
 #include <string>
 #include <vector>
 
 namespace mpipe {
-
-enum class Schedule {
-  /// Fill-drain: all forwards, then all backwards (schedules::gpipe).
-  GPipe,
-  /// One forward, one backward (schedules::one_f_one_b): the same time, with
-  /// at most n_stages micro-batches' activations alive instead of all.
-  OneFOneB,
-  /// Megatron-LM's interleaved 1F1B over TrainStepOptions::virtual_stages
-  /// chunks per worker (schedules::interleaved_one_f_one_b): stage s runs on
-  /// worker s % (n_stages / virtual_stages). A smaller bubble for more
-  /// hand-offs. Place stage s on the device of stage s % d when you append it.
-  Interleaved1F1B,
-  /// ZB-H1 zero-bubble (schedules::zero_bubble_h1): each backward split into
-  /// the input gradient and the weight gradient, the latter deferred into the
-  /// bubbles; 1F1B's peak memory.
-  ZeroBubbleH1,
-  /// The schedule with the least predicted step time whose predicted
-  /// activation memory fits TrainStepOptions::memory_limit (choose_schedule,
-  /// Note [Choosing a schedule]); the timeline names the one that ran.
-  Auto,
-};
-
-/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1" or "Auto".
-inline const char* to_string(Schedule s) {
-  switch (s) {
-    case Schedule::GPipe: return "GPipe";
-    case Schedule::OneFOneB: return "1F1B";
-    case Schedule::Interleaved1F1B: return "Interleaved1F1B";
-    case Schedule::ZeroBubbleH1: return "ZB-H1";
-    case Schedule::Auto: return "Auto";
-  }
-  return "?";
-}
 
 enum class LossReduction {
   /// The loss function returns the mean over the rows it is given; the step's
@@ -91,25 +57,20 @@ struct TrainStepOptions {
   TORCH_ARG(std::vector<double>, activation_bytes) = {};
   /// Auto: the most activation memory a device may hold, in bytes (0: no limit).
   TORCH_ARG(double, memory_limit) = 0;
+  /// Programs to run instead of `schedule`'s: one per worker, each the
+  /// operations that worker runs in order (schedules::F, B, I, W of every
+  /// stage and micro-batch of the step; Note [Programs] in schedule.h), e.g.
+  /// an order no built-in schedule produces. train_step refuses programs that
+  /// miss or repeat an operation, put one stage on two workers, or cannot
+  /// finish (schedules::validate and schedules::simulate), or whose
+  /// micro-batch count is not the step's. Such a step is never replayed from
+  /// a CUDA graph. Across processes every rank passes the same programs.
+  TORCH_ARG(std::vector<schedules::Program>, programs) = {};
   /// Backward runs from the loss times this (loss scaling for fp16, e.g.
   /// GradScaler::get_scale()); the step still returns the unscaled loss. A
   /// step with a scale other than 1 is never replayed from a CUDA graph.
   TORCH_ARG(double, loss_scale) = 1.0;
 };
-
-/// The programs `s` gives n_stages stages (not Auto), one per worker.
-inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
-                                                    int64_t virtual_stages = 1) {
-  switch (s) {
-    case Schedule::GPipe: return schedules::gpipe(n_micro, n_stages);
-    case Schedule::OneFOneB: return schedules::one_f_one_b(n_micro, n_stages);
-    case Schedule::Interleaved1F1B:
-      return schedules::interleaved_one_f_one_b(n_micro, n_stages, virtual_stages);
-    case Schedule::ZeroBubbleH1: return schedules::zero_bubble_h1(n_micro, n_stages);
-    case Schedule::Auto: break;
-  }
-  throw std::invalid_argument("mpipe::programs_for: Auto is not a schedule; use choose_schedule");
-}
 
 /// One candidate of choose_schedule, with what the model predicts for it.
 struct SchedulePrediction {
@@ -171,14 +132,12 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
   std::vector<Schedule> candidates = {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1};
   if (options.virtual_stages() > 1) candidates.push_back(Schedule::Interleaved1F1B);
   const auto& given = options.activation_bytes();
-  if (!given.empty() && static_cast<int64_t>(given.size()) != n_stages) {
-    throw std::invalid_argument("mpipe::choose_schedule: " + std::to_string(given.size()) +
-                                " activation sizes for " + std::to_string(n_stages) + " stages");
-  }
-  if (!stage_devices.empty() && static_cast<int64_t>(stage_devices.size()) != n_stages) {
-    throw std::invalid_argument("mpipe::choose_schedule: " + std::to_string(stage_devices.size()) +
-                                " devices for " + std::to_string(n_stages) + " stages");
-  }
+  TORCH_CHECK_VALUE(given.empty() || static_cast<int64_t>(given.size()) == n_stages,
+                    "mpipe::choose_schedule: ", given.size(), " activation sizes for ", n_stages,
+                    " stages");
+  TORCH_CHECK_VALUE(stage_devices.empty() || static_cast<int64_t>(stage_devices.size()) == n_stages,
+                    "mpipe::choose_schedule: ", stage_devices.size(), " devices for ", n_stages,
+                    " stages");
   const std::vector<double> bytes =
       given.empty() ? std::vector<double>(static_cast<size_t>(n_stages), 0.0) : given;
   int best = -1, least = -1;

@@ -33,19 +33,6 @@ MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
 
 namespace calls_impl {
 
-MPIPE_FUNC void check_split(const char* method, int64_t split_size) {
-  TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::", method,
-              ": split_size must be positive, got ", split_size);
-}
-
-/// The one output of a call whose Tensor overload was used.
-MPIPE_FUNC at::Tensor single(const char* method, Tensors out) {
-  TORCH_CHECK(out.size() == 1, "mpipe::ModelPipeline::", method, ": the last stage returned ",
-              out.size(), " tensors; call the overload that takes std::vector<mpipe::Input> "
-              "and returns mpipe::Tensors");
-  return std::move(out[0]);
-}
-
 MPIPE_FUNC GraphKey key_of(const char* method, int64_t items, bool reduce, const at::Tensor& x,
                            bool training, int64_t chunk = 0) {
   GraphKey key;
@@ -106,7 +93,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
         const auto info = agree(call, "forward", [&] {
           detail::CallInfo c;
           c.batch = detail::split_batch("forward", inputs);
-          calls_impl::check_split("forward", split_size);
+          detail::check_split("forward", split_size);
           c.rows = split_size;
           c.n_items = (c.batch - 1) / split_size + 1;
           return c;
@@ -117,7 +104,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
     });
   }
   const int64_t batch = detail::split_batch("forward", inputs);
-  calls_impl::check_split("forward", split_size);
+  detail::check_split("forward", split_size);
   auto eager = [&](const std::vector<Input>& in, bool threaded) {
     return forward_items(in, split_size, batch, threaded, nullptr);
   };
@@ -126,7 +113,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
       at::Tensor out = graphed_or_eager(
           calls_impl::key_of("forward", split_size, false, inputs[0].tensor, self.is_training()),
           inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-            return calls_impl::single("forward", eager({x}, threaded));
+            return detail::one_output("forward", eager({x}, threaded));
           });
       if (out.defined()) return {out};
     }
@@ -257,7 +244,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
       at::Tensor out = graphed_or_eager(
           calls_impl::key_of("constant_forward", T, reduce, in[0], self.is_training(), chunk),
           in[0], [&](const at::Tensor& x, bool threaded) {
-            return calls_impl::single("constant_forward",
+            return detail::one_output("constant_forward",
                           run_constant("constant_forward", {x}, T, reduce, chunk, threaded));
           });
       if (out.defined()) return {out};
@@ -339,7 +326,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
           graphed_or_eager(calls_impl::key_of("sequence_forward", 0, reduce, inputs[0].tensor,
                                               self.is_training(), chunk),
                            inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-                             return calls_impl::single("sequence_forward", eager({x}, threaded));
+                             return detail::one_output("sequence_forward", eager({x}, threaded));
                            });
       if (out.defined()) return {out};
     }

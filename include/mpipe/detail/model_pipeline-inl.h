@@ -7,6 +7,7 @@
 // says where everything is).
 
 #include "pipeline_state.h"
+#include "scatter.h"
 #include "time_chunks.h"
 
 #include "device_probe.h"
@@ -130,19 +131,11 @@ MPIPE_FUNC int64_t chunk_of(const ModelPipelineImpl& p, const char* method,
   return p.options.time_chunk() == 0 ? detail::kAutoChunk : p.options.time_chunk();
 }
 
-MPIPE_FUNC at::Tensor only(const char* method, Tensors out) {
-  if (out.empty()) return {};  // a rank before the last, across processes
-  TORCH_CHECK(out.size() == 1, "mpipe::ModelPipeline::", method, ": the last stage returned ",
-              out.size(), " tensors; call the overload that takes std::vector<mpipe::Input> "
-              "and returns mpipe::Tensors");
-  return std::move(out[0]);
-}
-
 }  // namespace model_pipeline_impl
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
   model_pipeline_impl::check_runnable(*this, "forward", x);
-  return model_pipeline_impl::only("forward",
+  return detail::one_output("forward",
                                    state_->forward({x}, split_size, /*graphable_call=*/true));
 }
 
@@ -157,7 +150,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, i
                                                           std::optional<int64_t> time_chunk) {
   model_pipeline_impl::check_runnable(*this, "constant_forward", x);
   const int64_t chunk = model_pipeline_impl::chunk_of(*this, "constant_forward", time_chunk);
-  return model_pipeline_impl::only("constant_forward",
+  return detail::one_output("constant_forward",
                                    state_->constant_forward({x}, T, reduce, chunk, true));
 }
 
@@ -173,7 +166,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_se
                                                           std::optional<int64_t> time_chunk) {
   model_pipeline_impl::check_runnable(*this, "sequence_forward", x_seq, /*time_major=*/true);
   const int64_t chunk = model_pipeline_impl::chunk_of(*this, "sequence_forward", time_chunk);
-  return model_pipeline_impl::only("sequence_forward",
+  return detail::one_output("sequence_forward",
                                    state_->sequence_forward({x_seq}, reduce, chunk, true));
 }
 

@@ -135,7 +135,8 @@ struct ModelPipelineImpl::State {
   at::Tensor step_items(const std::vector<Input>& inputs, const std::vector<Input>& in,
                         const at::Tensor& y, const LossFunction& loss_fn,
                         const detail::CallInfo& info, bool threaded, detail::RemoteCall* remote,
-                        double loss_scale = 1.0);
+                        double loss_scale = 1.0,
+                        const std::vector<schedules::Program>* given = nullptr);
   /// A training step: replayed from a CUDA graph when step_graphable (and
   /// `graphable_call`), else `eager(x, target, worker_threads)`.
   at::Tensor run_step(const detail::GraphKey& key, bool graphable_call, const at::Tensor& x,

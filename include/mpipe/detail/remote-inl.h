@@ -113,11 +113,12 @@ MPIPE_FUNC int64_t method_code(const char* method) {
 }
 
 MPIPE_FUNC std::vector<int64_t> CallInfo::fields() const {
-  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, chunk};
+  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, chunk,
+          programs};
 }
 
 MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
-  TORCH_CHECK(f.size() == 9, "a malformed call message (", f.size(), " fields)");
+  TORCH_CHECK(f.size() == 10, "a malformed call message (", f.size(), " fields)");
   CallInfo c;
   c.method = f[0];
   c.n_items = f[1];
@@ -128,6 +129,7 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   c.virtual_stages = f[6];
   c.reduction = f[7];
   c.chunk = f[8];
+  c.programs = f[9];
   return c;
 }
 

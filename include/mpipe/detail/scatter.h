@@ -52,6 +52,22 @@ inline int64_t split_batch(const char* method, const std::vector<Input>& inputs)
   return batch;
 }
 
+/// Rows per micro-batch, checked.
+inline void check_split(const char* method, int64_t split_size) {
+  TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::", method,
+              ": split_size must be positive, got ", split_size);
+}
+
+/// The one output of a call whose Tensor overload was used; undefined when
+/// there is none (a rank before the last, across processes).
+inline at::Tensor one_output(const char* method, Tensors out) {
+  if (out.empty()) return {};
+  TORCH_CHECK(out.size() == 1, "mpipe::ModelPipeline::", method, ": the last stage returned ",
+              out.size(), " tensors; call the overload that takes std::vector<mpipe::Input> "
+              "and returns mpipe::Tensors");
+  return std::move(out[0]);
+}
+
 /// Rows [i * rows, i * rows + rows) of the batched inputs; unbatched whole.
 inline Tensors micro_batch(const std::vector<Input>& inputs, int64_t i, int64_t rows,
                            int64_t batch) {

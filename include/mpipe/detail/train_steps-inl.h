@@ -49,6 +49,57 @@ MPIPE_FUNC at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& o
               "the loss function failed: ", what);
 }
 
+/// The loss of the last stage's outputs `out`: one output in, one value out
+/// (0-dim). `method` prefixes the messages when the caller does not name the
+/// call itself (the executor does).
+MPIPE_FUNC at::Tensor scalar_loss(const LossFunction& loss_fn, const Tensors& out,
+                                  const at::Tensor& target, const char* method = nullptr) {
+  const std::string prefix =
+      method ? c10::str("mpipe::ModelPipeline::", method, ": ") : std::string();
+  TORCH_CHECK(out.size() == 1, prefix, "the last stage returned ", out.size(),
+              " tensors; loss_fn takes one");
+  at::Tensor loss = call_loss(loss_fn, out[0], target, method);
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, prefix,
+              "the loss function must return one value, got ",
+              loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+  return loss.reshape({});
+}
+
+/// CallInfo::schedule of a step that runs TrainStepOptions::programs.
+constexpr int64_t kGivenPrograms = -1;
+
+/// A fingerprint of `programs`, so that ranks can check they were given the same.
+MPIPE_FUNC int64_t fingerprint(const std::vector<schedules::Program>& programs) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over every operation's fields
+  auto mix = [&](int64_t v) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  };
+  for (size_t r = 0; r < programs.size(); ++r) {
+    mix(-1 - static_cast<int64_t>(r));
+    for (const auto& op : programs[r]) {
+      mix(static_cast<int64_t>(op.kind));
+      mix(op.micro_batch);
+      mix(op.stage);
+    }
+  }
+  return static_cast<int64_t>(h & 0x7fffffffffffffffull) | 1;  // never 0 (no programs)
+}
+
+/// TrainStepOptions::programs, refused unless they run this step: every
+/// operation once, one worker per stage, no cycle (schedules::simulate).
+MPIPE_FUNC void check_programs(const std::vector<schedules::Program>& programs, int64_t n_stages,
+                               int64_t n_micro) {
+  try {
+    schedules::validate(programs, n_stages, n_micro, /*backward=*/true);
+    schedules::simulate(programs);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, "mpipe::ModelPipeline::train_step: TrainStepOptions::programs "
+                      "cannot run this step of ", n_micro, " micro-batch(es) over ", n_stages,
+                      " stages: ", e.what_without_backtrace());
+  }
+}
+
 MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
   const bool interleaved =
@@ -202,7 +253,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
     const std::vector<Input>& inputs, const std::vector<Input>& in, const at::Tensor& y,
     const LossFunction& loss_fn, const detail::CallInfo& info, bool threaded,
-    detail::RemoteCall* remote, double loss_scale) {
+    detail::RemoteCall* remote, double loss_scale, const std::vector<schedules::Program>* given) {
   const int64_t rows = info.rows, batch = info.batch;
   const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
   const bool first = !remote || remote->first();
@@ -221,9 +272,15 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
   spec.accumulate_cast_grads = self.options.accumulate_cast_grads() && !in_graphed_step;
   spec.remote = remote;
   spec.n_items = info.n_items;
-  const auto schedule = static_cast<Schedule>(info.schedule);
-  spec.schedule = to_string(schedule);
-  spec.programs = programs_for(schedule, spec.n_items, executor.n_total(), info.virtual_stages);
+  if (info.schedule == train_steps_impl::kGivenPrograms) {
+    TORCH_INTERNAL_ASSERT(given != nullptr);
+    spec.schedule = "given programs";
+    spec.programs = *given;
+  } else {
+    const auto schedule = static_cast<Schedule>(info.schedule);
+    spec.schedule = to_string(schedule);
+    spec.programs = programs_for(schedule, spec.n_items, executor.n_total(), info.virtual_stages);
+  }
   spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
   spec.target = [&](int64_t i) {
     return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
@@ -231,13 +288,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::step_items(
   const bool scaled = loss_scale != 1.0;
   std::vector<at::Tensor> unscaled(scaled ? static_cast<size_t>(info.n_items) : 0);
   spec.loss = [&](int64_t i, const Tensors& out, const Tensors& tgt) {
-    TORCH_CHECK(out.size() == 1, "the last stage returned ", out.size(),
-                " tensors; train_step's loss_fn takes one");
-    at::Tensor loss = train_steps_impl::call_loss(loss_fn, out[0], tgt[0]);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "the loss function must return one value, got ",
-                loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-    loss = loss.reshape({});
+    at::Tensor loss = train_steps_impl::scalar_loss(loss_fn, out, tgt[0]);
     if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
     if (scaled) {  // backward from the scaled loss; the step returns the loss itself
       unscaled[static_cast<size_t>(i)] = loss.detach();
@@ -304,16 +355,23 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
   auto describe = [&] {
     detail::CallInfo c;
     c.batch = detail::split_batch("train_step", inputs);
-    TORCH_CHECK(step.split_size() > 0,
-                "mpipe::ModelPipeline::train_step: split_size must be positive, got ",
-                step.split_size());
+    detail::check_split("train_step", step.split_size());
     const int64_t n_stages = executor.n_total();
-    train_steps_impl::check_schedule(step, n_stages);
+    const bool given = !step.programs().empty();
+    if (!given) train_steps_impl::check_schedule(step, n_stages);
     TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
                 "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
                 step.loss_scale());
     c.rows = step.split_size();
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    c.virtual_stages = step.virtual_stages();
+    c.reduction = static_cast<int64_t>(step.reduction());
+    if (given) {
+      train_steps_impl::check_programs(step.programs(), n_stages, c.n_items);
+      c.schedule = train_steps_impl::kGivenPrograms;
+      c.programs = train_steps_impl::fingerprint(step.programs());
+      return c;
+    }
     std::vector<int64_t> labels;
     if (distributed()) {  // every process its own device, apart from this rank's stages
       const auto mine = train_steps_impl::device_labels(devices);
@@ -329,8 +387,6 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
     c.schedule = static_cast<int64_t>(
         step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
                                           : step.schedule());
-    c.virtual_stages = step.virtual_stages();
-    c.reduction = static_cast<int64_t>(step.reduction());
     return c;
   };
   auto check_target = [&](int64_t batch) {
@@ -358,10 +414,20 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
         }
         const auto info = agree(call, "train_step", describe);
         if (call.last()) check_target(info.batch);
+        if (!call.first()) {  // the first rank's programs, or none, on every rank
+          const bool given = info.schedule == train_steps_impl::kGivenPrograms;
+          TORCH_CHECK(given == !step.programs().empty() &&
+                          (!given || train_steps_impl::fingerprint(step.programs()) == info.programs),
+                      "mpipe::ModelPipeline::train_step: rank ", call.group().rank(), "'s "
+                      "TrainStepOptions::programs differ from the first rank's (",
+                      given ? "given there" : "none there", "); every rank passes the same");
+          if (given) train_steps_impl::check_programs(step.programs(), executor.n_total(), info.n_items);
+        }
         const std::vector<Input> none;
         return step_items(call.first() ? inputs : none, call.first() ? detach(inputs) : none,
                           call.last() ? target.detach() : at::Tensor(), loss_fn, info,
-                          self.options.worker_threads(), &call, step.loss_scale());
+                          self.options.worker_threads(), &call, step.loss_scale(),
+                          &step.programs());
       });
     });
   }
@@ -379,11 +445,12 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
     }
     const std::vector<Input> detached = detach(inputs);
     // A scaled step runs eagerly: the scale changes as training goes.
-    const bool graphed =
-        graphable_call && inputs.size() == 1 && !any_grad && step.loss_scale() == 1.0;
+    const bool graphed = graphable_call && inputs.size() == 1 && !any_grad &&
+                         step.loss_scale() == 1.0 && step.programs().empty();
     if (!graphed) {
       return step_items(inputs, detached, target.detach(), loss_fn, info,
-                        self.options.worker_threads(), nullptr, step.loss_scale());
+                        self.options.worker_threads(), nullptr, step.loss_scale(),
+                        &step.programs());
     }
     GraphKey key;
     key.method = "train_step";
@@ -435,8 +502,6 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
     const Tensors outs = run_constant("constant_train_step", in, T, /*reduce=*/true, chunk,
                                       threaded, &positions, nullptr, batched);
-    TORCH_CHECK(outs.size() == 1, "mpipe::ModelPipeline::constant_train_step: the last stage "
-                "returned ", outs.size(), " tensors; loss_fn takes one");
     struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
       detail::Executor& executor;
       bool done = false;
@@ -453,12 +518,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
       // The loss and the backward call run on the last stage's stream, as in
       // train_step; the caller's stream waits for them below.
       c10::OptionalStreamGuard last_stage(executor.compute_stream(last));
-      loss = train_steps_impl::call_loss(loss_fn, outs[0], tgt, "constant_train_step");
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "mpipe::ModelPipeline::constant_train_step: the loss function must return one "
-                  "value, got ",
-                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-      loss = loss.reshape({});
+      loss = train_steps_impl::scalar_loss(loss_fn, outs, tgt, "constant_train_step");
       std::string failure;
       try {
         // Note [Backward on the worker's thread]
@@ -574,14 +634,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
   int64_t item = -1;
   try {
     if (call.last()) {
-      TORCH_CHECK(outs.size() == 1, "the last stage returned ", outs.size(),
-                  " tensors; loss_fn takes one");
       c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
-      loss = train_steps_impl::call_loss(loss_fn, outs[0], target);
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "the loss function must return one value, got ",
-                  loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
-      loss = loss.reshape({});
+      loss = train_steps_impl::scalar_loss(loss_fn, outs, target);
       roots.push_back(loss);
       grads.emplace_back();
     } else {
