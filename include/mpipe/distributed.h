@@ -33,6 +33,9 @@
 #include <utility>
 
 namespace mpipe {
+namespace detail {
+struct GroupAccess;
+}  // namespace detail
 namespace distributed {
 
 enum class Backend {
@@ -97,11 +100,11 @@ class ProcessGroup {
   /// (GradScaler uses it so that all ranks skip the same steps).
   bool any(bool flag) const;
 
-  struct Impl;
-  const std::shared_ptr<Impl>& impl() const noexcept { return impl_; }
-  explicit ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
  private:
+  friend struct mpipe::detail::GroupAccess;  // the runtime's way in (detail/group.h)
+  struct Impl;
+  explicit ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;
 };
 

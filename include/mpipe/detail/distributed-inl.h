@@ -57,7 +57,7 @@ namespace distributed_impl {
 
 using distributed::Backend;
 using distributed::ProcessGroup;
-using Impl = ProcessGroup::Impl;
+using Impl = GroupImpl;
 
 constexpr int64_t kMagic = 0x6d70697065;  // "mpipe"
 constexpr int64_t kHeader = 32;
@@ -592,10 +592,10 @@ using namespace distributed_impl;
 MPIPE_FUNC std::unique_ptr<Link> open_link(const distributed::ProcessGroup& group,
                                            int64_t pipeline_id, int64_t seq,
                                            LinkHandlers handlers) {
-  const std::string broken = group.impl()->broken_reason();
+  const std::string broken = group_impl(group)->broken_reason();
   TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
               "restart every rank");
-  return std::make_unique<GlooLink>(group.impl(), pipeline_id, seq, std::move(handlers));
+  return std::make_unique<GlooLink>(group_impl(group), pipeline_id, seq, std::move(handlers));
 }
 
 MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
@@ -607,7 +607,7 @@ MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::Process
   // the pipeline's, offset past the calls' tags. (The store would do too,
   // but its locks are taken inside LibTorch, where ThreadSanitizer cannot
   // see them.)
-  Impl& g = *group.impl();
+  Impl& g = *group_impl(group);
   const std::string broken = g.broken_reason();
   TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
               "restart every rank");
@@ -677,22 +677,22 @@ MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::Process
 }
 
 MPIPE_FUNC int64_t next_pipeline_id(const distributed::ProcessGroup& group) {
-  return group.impl()->next_pipeline++;
+  return group_impl(group)->next_pipeline++;
 }
 
 MPIPE_FUNC void barrier(const distributed::ProcessGroup& group) {
-  group.impl()->comm->world->barrier()->wait();
+  group_impl(group)->comm->world->barrier()->wait();
 }
 
 MPIPE_FUNC bool any_rank(const distributed::ProcessGroup& group, bool flag) {
   std::vector<at::Tensor> one{at::full({1}, flag ? 1 : 0, at::kLong)};
-  group.impl()->comm->world->allreduce(one)->wait();
+  group_impl(group)->comm->world->allreduce(one)->wait();
   return one[0].item<int64_t>() > 0;
 }
 
 MPIPE_FUNC void allreduce_replicas(const distributed::ProcessGroup& group,
                                    std::vector<at::Tensor> tensors, bool average) {
-  const Impl& g = *group.impl();
+  const Impl& g = *group_impl(group);
   if (g.replicas == 1) return;
   // One flat buffer per (device, dtype): one allreduce each.
   std::map<std::pair<std::string, int>, std::vector<at::Tensor>> buckets;
@@ -745,7 +745,7 @@ MPIPE_FUNC ProcessGroup init(int64_t rank, int64_t world_size, const std::string
               "world size ", world_size, " (world = replicas x pipeline ranks)");
   TORCH_CHECK(options.timeout().count() > 0, "mpipe::distributed::init: the timeout must be "
               "positive, got ", options.timeout().count(), " ms");
-  auto impl = std::make_shared<ProcessGroup::Impl>();
+  auto impl = std::make_shared<detail::GroupImpl>();
   impl->rank = rank;
   impl->world = world_size;
   impl->replicas = options.replicas();
@@ -794,7 +794,7 @@ MPIPE_FUNC ProcessGroup init(int64_t rank, int64_t world_size, const std::string
     TORCH_CHECK(false, "mpipe::distributed::init: rank ", rank, " of ", world_size,
                 " could not join at ", master_addr, ":", master_port, ": ", e.what());
   }
-  return ProcessGroup(std::move(impl));
+  return detail::GroupAccess::make(std::move(impl));
 }
 
 MPIPE_FUNC ProcessGroup init_from_env(GroupOptions options) {

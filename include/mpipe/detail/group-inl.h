@@ -21,7 +21,7 @@ MPIPE_FUNC const char* to_string(Backend backend) {
 }
 
 namespace group_impl {
-MPIPE_FUNC const ProcessGroup::Impl& get(const std::shared_ptr<ProcessGroup::Impl>& impl) {
+MPIPE_FUNC const detail::GroupImpl& get(const std::shared_ptr<detail::GroupImpl>& impl) {
   TORCH_CHECK(impl != nullptr, "mpipe::distributed::ProcessGroup: this group is undefined "
               "(default-constructed); create one with mpipe::distributed::init_from_env()");
   return *impl;

@@ -19,6 +19,8 @@ struct Comm;
 
 namespace distributed {
 
+// What a group holds (private to ProcessGroup; the runtime reaches it through
+// detail::GroupAccess).
 struct ProcessGroup::Impl {
   int64_t rank = 0;
   int64_t world = 1;
@@ -53,6 +55,22 @@ struct ProcessGroup::Impl {
 }  // namespace distributed
 
 namespace detail {
+/// The runtime's access to a ProcessGroup's state.
+struct GroupAccess {
+  using Impl = distributed::ProcessGroup::Impl;
+  static const std::shared_ptr<Impl>& impl(const distributed::ProcessGroup& g) noexcept {
+    return g.impl_;
+  }
+  static distributed::ProcessGroup make(std::shared_ptr<Impl> impl) {
+    return distributed::ProcessGroup(std::move(impl));
+  }
+};
+using GroupImpl = GroupAccess::Impl;
+/// What `g` holds (null for an undefined group).
+inline const std::shared_ptr<GroupImpl>& group_impl(const distributed::ProcessGroup& g) noexcept {
+  return GroupAccess::impl(g);
+}
+
 /// Every rank of the world waits for the others (distributed-inl.h).
 void barrier(const distributed::ProcessGroup& group);
 /// Whether `flag` is true on any rank of the world (every rank calls it).

@@ -186,12 +186,12 @@ MPIPE_FUNC CallInfo RemoteCall::await_call(const char* method) {
   const bool done = changed_.wait_for(lock, group_.timeout(),
                                       [&] { return has_call_ || !failure_.empty(); });
   TORCH_CHECK(done, "mpipe::ModelPipeline::", method, ": nothing arrived from rank ",
-              group_.impl()->world_rank(0), " (the first rank) within ",
+              detail::group_impl(group_)->world_rank(0), " (the first rank) within ",
               group_.timeout().count() / 1000.0, " s: it did not start the call (stalled?)");
   TORCH_CHECK(failure_.empty(), "mpipe::ModelPipeline::", method, ": ", failure_);
   const int64_t mine = method_code(method);
   TORCH_CHECK(call_.method == mine, "mpipe::ModelPipeline::", method, ": rank ", group_.rank(),
-              " calls ", method, " but the first rank (rank ", group_.impl()->world_rank(0),
+              " calls ", method, " but the first rank (rank ", detail::group_impl(group_)->world_rank(0),
               ") calls ", kMethods[call_.method], "; every rank must make the same calls");
   return call_;
 }
@@ -327,7 +327,7 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
                          : key.kind == Key::Skip        ? p - 1
                                                         : p + 1;
     if (rank < 0 || rank >= call_.group().pipeline_size()) return "another rank";
-    const std::string world = c10::str("rank ", call_.group().impl()->world_rank(rank));
+    const std::string world = c10::str("rank ", detail::group_impl(call_.group())->world_rank(rank));
     return from >= 0 && from < l.n_stages ? c10::str(world, " (stage ", from, ")") : world;
   };
   // A stall upstream leaves every later rank waiting for inputs, one behind
