@@ -1,4 +1,5 @@
-// Stage placement on devices: forward-type calls with stages on the GPU, on
+// Devices: how device spellings resolve and which are refused, and stage
+// placement: forward-type calls with stages on the GPU, on
 // the GPU and the CPU mixed, and on several GPUs, against the plain model;
 // moves and loads that keep each stage on its device; and overlap of stages
 // on one GPU, each on its own stream. GPU tests end in _CUDA (one GPU) or
@@ -360,4 +361,49 @@ TEST(Placement, ConstantForwardAcrossGpus_MultiCUDA) {
   MPIPE_REQUIRE_CUDA(2);
   const torch::Device g0("cuda:0"), g1("cuda:1");
   for (bool threads : {true, false}) check_constant_forward_transparent({g0, g1, g1, g0}, threads);
+}
+
+// ---------------------------------------------------------------------------
+// Devices: how device spellings resolve, and the errors for bad ones.
+
+TEST(Devices, SpellingsResolve) {
+  EXPECT_EQ(mpipe::resolve_device("cpu"), torch::Device(torch::kCPU));
+  EXPECT_EQ(mpipe::resolve_device(torch::kCPU), torch::Device(torch::kCPU));
+  EXPECT_EQ(mpipe::resolve_device(torch::Device("cpu")), torch::Device(torch::kCPU));
+  if (mpipe::cuda_device_count() > 0) {
+    EXPECT_EQ(mpipe::resolve_device("0"), torch::Device("cuda:0"));
+    EXPECT_EQ(mpipe::resolve_device(0), torch::Device("cuda:0"));
+    EXPECT_EQ(mpipe::resolve_device("cuda:0"), torch::Device("cuda:0"));
+    EXPECT_TRUE(mpipe::resolve_device("cuda").has_index());
+  }
+}
+
+TEST(Devices, BadDevicesAreRefusedClearly) {
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device("gpu0"), "unknown device string \"gpu0\"",
+                     "\"cuda:<index>\"");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device(""), "unknown device string");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device(-1), "must be >= 0, got -1");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device("meta"), "not supported");
+  const int64_t n = mpipe::cuda_device_count();
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device(static_cast<int>(n) + 7), "CUDA");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device("cuda:" + std::to_string(n + 3)), "CUDA");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device(std::to_string(n + 1)), "CUDA");
+
+  // append names the stage, and leaves the pipeline as it was.
+  auto pipe = ModelPipeline();
+  pipe->append(torch::nn::Linear(2, 2), "cpu");
+  MPIPE_EXPECT_ERROR(pipe->append(torch::nn::Linear(2, 2), "cuda:" + std::to_string(n + 3)),
+                     "append: stage 1", "CUDA");
+  MPIPE_EXPECT_ERROR(pipe->append(torch::nn::Linear(2, 2), "bogus:1"), "stage 1",
+                     "unknown device string");
+  EXPECT_EQ(pipe->size(), 1u);
+  EXPECT_EQ(pipe->forward(torch::randn({3, 2}), 1).sizes(), (torch::IntArrayRef{3, 2}));
+}
+
+TEST(Devices, CpuOnlyLibTorchRefusesCuda) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "CUDA is available here";
+  // Either LibTorch has no CUDA at all, or it has CUDA but sees no device.
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device("cuda:0"), "CUDA", "\"cpu\"");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device("0"), "CUDA");
+  MPIPE_EXPECT_ERROR(mpipe::resolve_device(torch::kCUDA), "CUDA");
 }

@@ -1,6 +1,6 @@
 // CPU tests of mpipe::ModelPipeline: transparency (outputs and gradients equal
 // the plain model), constant_forward semantics, registration, serialization,
-// devices, and every bad input. Each runs with and without worker threads.
+// and every bad input (device spellings: test_devices.cpp). Each runs with and without worker threads.
 
 #include "common.h"
 
@@ -323,51 +323,6 @@ TEST(PipelineBuild, CudaGraphsOptionRunsEagerlyWhereItCannotCapture) {
   auto x = torch::randn({5, 3});
   expect_close(graphed->forward(x, 2), plain->forward(x, 2), 0.0);
   expect_close(graphed->constant_forward(x, 3), plain->constant_forward(x, 3), 0.0);
-}
-
-// ---------------------------------------------------------------------------
-// Devices.
-
-TEST(Devices, SpellingsResolve) {
-  EXPECT_EQ(mpipe::resolve_device("cpu"), torch::Device(torch::kCPU));
-  EXPECT_EQ(mpipe::resolve_device(torch::kCPU), torch::Device(torch::kCPU));
-  EXPECT_EQ(mpipe::resolve_device(torch::Device("cpu")), torch::Device(torch::kCPU));
-  if (mpipe::cuda_device_count() > 0) {
-    EXPECT_EQ(mpipe::resolve_device("0"), torch::Device("cuda:0"));
-    EXPECT_EQ(mpipe::resolve_device(0), torch::Device("cuda:0"));
-    EXPECT_EQ(mpipe::resolve_device("cuda:0"), torch::Device("cuda:0"));
-    EXPECT_TRUE(mpipe::resolve_device("cuda").has_index());
-  }
-}
-
-TEST(Devices, BadDevicesAreRefusedClearly) {
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device("gpu0"), "unknown device string \"gpu0\"",
-                     "\"cuda:<index>\"");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device(""), "unknown device string");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device(-1), "must be >= 0, got -1");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device("meta"), "not supported");
-  const int64_t n = mpipe::cuda_device_count();
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device(static_cast<int>(n) + 7), "CUDA");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device("cuda:" + std::to_string(n + 3)), "CUDA");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device(std::to_string(n + 1)), "CUDA");
-
-  // append names the stage, and leaves the pipeline as it was.
-  auto pipe = ModelPipeline();
-  pipe->append(torch::nn::Linear(2, 2), "cpu");
-  MPIPE_EXPECT_ERROR(pipe->append(torch::nn::Linear(2, 2), "cuda:" + std::to_string(n + 3)),
-                     "append: stage 1", "CUDA");
-  MPIPE_EXPECT_ERROR(pipe->append(torch::nn::Linear(2, 2), "bogus:1"), "stage 1",
-                     "unknown device string");
-  EXPECT_EQ(pipe->size(), 1u);
-  EXPECT_EQ(pipe->forward(torch::randn({3, 2}), 1).sizes(), (torch::IntArrayRef{3, 2}));
-}
-
-TEST(Devices, CpuOnlyLibTorchRefusesCuda) {
-  if (torch::cuda::is_available()) GTEST_SKIP() << "CUDA is available here";
-  // Either LibTorch has no CUDA at all, or it has CUDA but sees no device.
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device("cuda:0"), "CUDA", "\"cpu\"");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device("0"), "CUDA");
-  MPIPE_EXPECT_ERROR(mpipe::resolve_device(torch::kCUDA), "CUDA");
 }
 
 TEST(PipelineBuild, LanesAreRefusedBelowOneAndChangeNothingOnTheCpu) {

@@ -1,6 +1,8 @@
-// Training: the GPipe and 1F1B schedules (exactly, as pure functions), the
-// training step's gradients against the plain model, checkpointing (with the
-// same dropout mask on recompute), deferred BatchNorm, and bad input.
+// Training: the runtime follows each schedule's programs and programs a user
+// writes (TrainStepPrograms), the training step's gradients against the plain
+// model, checkpointing (with the same dropout mask on recompute), deferred
+// BatchNorm (its statistics and precision), and bad input. The schedules as
+// pure functions are in test_schedule.cpp.
 
 #include "common.h"
 
@@ -63,7 +65,7 @@ TORCH_MODULE(OrderRecorder);
 
 std::string name_of(Schedule s) { return mpipe::to_string(s); }
 
-TEST(TrainingSchedule, TheRuntimeFollowsEachStagesProgram) {
+TEST(TrainStepPrograms, TheRuntimeFollowsEachStagesProgram) {
   const int64_t n = 4;
   for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
                             Schedule::ZeroBubbleH1}) {
@@ -125,7 +127,7 @@ TEST(TrainingSchedule, TheRuntimeFollowsEachStagesProgram) {
 // schedule produces (stage 2 forwards micro-batch 1 before 0; stage 0 splits
 // its backward and takes the weight gradients late; backwards out of order),
 // run as written, equal to the plain model.
-TEST(TrainingSchedule, GivenProgramsRunAsWrittenAndEqualThePlainModel) {
+TEST(TrainStepPrograms, GivenProgramsRunAsWrittenAndEqualThePlainModel) {
   using sch::I;
   using sch::W;
   const std::vector<sch::Program> programs = {
@@ -156,7 +158,7 @@ TEST(TrainingSchedule, GivenProgramsRunAsWrittenAndEqualThePlainModel) {
       expect_train_step_transparent(pipe, stages, {torch::kCPU, torch::kCPU, torch::kCPU}, x, y,
                                     mse, TrainStepOptions(2).programs(programs));
       // Each stage's operations in the order written (I shows as a B, W not
-      // at all: see TheRuntimeFollowsEachStagesProgram).
+      // at all: see TrainStepPrograms.TheRuntimeFollowsEachStagesProgram).
       for (int64_t j = 0; j < 3; ++j) {
         sch::Program expected;
         for (auto op : programs[static_cast<size_t>(j)]) {
@@ -172,7 +174,7 @@ TEST(TrainingSchedule, GivenProgramsRunAsWrittenAndEqualThePlainModel) {
   }
 }
 
-TEST(TrainingSchedule, GivenProgramsThatCannotRunAreRefused) {
+TEST(TrainStepPrograms, GivenProgramsThatCannotRunAreRefused) {
   auto pipe = ModelPipeline();
   for (int64_t j = 0; j < 2; ++j) pipe->append(torch::nn::Linear(3, 3), "cpu");
   const auto x = torch::randn({4, 3});
@@ -417,6 +419,28 @@ TEST(Checkpointing, NothingIsRecomputedInEvalMode) {
   pipe->eval();
   pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, TrainStepOptions(1));
   EXPECT_EQ(recorders[0]->seen.size(), 4u);
+}
+
+TEST(DeferredBatchNorm, VarianceStaysExactForALargeMean) {
+  // Data with mean 300 and standard deviation 1, in float: E[x^2] - mean^2 in
+  // float lost three digits here; BatchNorm1d keeps about seven.
+  torch::manual_seed(43);
+  const auto x = torch::randn({512, 4}) + 300;
+  torch::nn::BatchNorm1d reference(4);
+  mpipe::DeferredBatchNorm deferred(4);
+  {
+    torch::NoGradGuard no_grad;
+    reference(x);
+    for (int64_t i = 0; i < 8; ++i) {
+      mpipe::MicroBatchGuard mb({i, 8});
+      deferred(x.narrow(0, i * 64, 64));
+    }
+  }
+  const auto exact = x.to(torch::kDouble).var(0) * 0.1 + 0.9;
+  const double ours = (deferred->running_var.to(torch::kDouble) - exact).abs().max().item<double>();
+  const double theirs = (reference->running_var.to(torch::kDouble) - exact).abs().max().item<double>();
+  EXPECT_LT(ours, 1e-6) << "BatchNorm1d's error: " << theirs;
+  expect_close(deferred->running_mean, x.to(torch::kDouble).mean(0) * 0.1, 1e-5, "running_mean");
 }
 
 TEST(DeferredBatchNorm, RunningStatisticsEqualTheUnsplitModel) {
