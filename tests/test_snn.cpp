@@ -1,6 +1,7 @@
 // The SNN toolkit: surrogate gradients against finite differences, neuron
 // dynamics against independent reference loops, resets, per-micro-batch state
-// through a pipeline, sequence_forward, encoders and rate decoding.
+// through a pipeline, sequence_forward, encoders and rate decoding, and the
+// neurons in half and bfloat16 against their ATen path.
 
 #include "common.h"
 
@@ -577,4 +578,81 @@ TEST(Neurons, StateFollowsTheInputAcrossDevices_CUDA) {
   mpipe::snn::LIFNode ref;
   ref(x);
   expect_close(b, ref(x), 0.0);
+}
+
+// ---------------------------------------------------------------------------
+// Neurons in half and bfloat16.
+
+namespace {
+
+/// T steps of `node` on `xs` (one input per step); spikes and the input's gradient.
+template <typename Node>
+std::pair<torch::Tensor, torch::Tensor> run_neuron(Node node, const torch::Tensor& xs) {
+  node->reset_state();
+  auto x = xs.detach().clone().requires_grad_();
+  std::vector<torch::Tensor> spikes;
+  for (int64_t t = 0; t < x.size(0); ++t) spikes.push_back(node(x[t]));
+  auto s = torch::stack(spikes);
+  const auto weights = torch::linspace(0.5, 1.5, s.numel(), s.options().dtype(torch::kFloat));
+  (s.to(torch::kFloat) * weights.view(s.sizes())).sum().backward();
+  node->reset_state();
+  return {s.detach(), x.grad()};
+}
+
+void neurons_in_low_precision(torch::Device device) {
+  torch::manual_seed(43);
+  const auto xs32 = (torch::rand({12, 256}) * 2).to(device);
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const auto xs = xs32.to(dtype);
+    for (bool float_membrane : {true, false}) {
+      if (!float_membrane && dtype == torch::kHalf && device.is_cpu()) continue;  // ATen: no half CPU
+      SCOPED_TRACE(c10::str(dtype, float_membrane ? ", float membrane" : ", membrane in dtype"));
+      for (bool lif : {true, false}) {
+        std::pair<torch::Tensor, torch::Tensor> fused, aten;
+        if (lif) {
+          fused = run_neuron(mpipe::snn::LIFNode(
+                                 mpipe::snn::LIFNodeOptions().float_membrane(float_membrane)),
+                             xs);
+          aten = run_neuron(mpipe::snn::LIFNode(mpipe::snn::LIFNodeOptions()
+                                                    .fused(false)
+                                                    .float_membrane(float_membrane)),
+                            xs);
+        } else {
+          fused = run_neuron(
+              mpipe::snn::IFNode(mpipe::snn::IFNodeOptions().float_membrane(float_membrane)), xs);
+          aten = run_neuron(mpipe::snn::IFNode(
+                                mpipe::snn::IFNodeOptions().fused(false).float_membrane(float_membrane)),
+                            xs);
+        }
+        EXPECT_EQ(fused.first.scalar_type(), dtype) << "spikes in the input's dtype";
+        EXPECT_EQ(fused.second.scalar_type(), dtype);
+        // Spikes sit on a threshold: rounding may flip a few of 3072.
+        const double flips = (fused.first.to(torch::kDouble) - aten.first.to(torch::kDouble))
+                                 .abs().sum().item<double>();
+        EXPECT_LE(flips, float_membrane ? 2 : 30) << (lif ? "LIF" : "IF");
+        EXPECT_GT(fused.first.to(torch::kDouble).sum().item<double>(), 100) << "it fires";
+        if (flips == 0) expect_rel(fused.second, aten.second, 2e-2, "input gradient");
+      }
+      mpipe::snn::LIFNode node(mpipe::snn::LIFNodeOptions().float_membrane(float_membrane));
+      node(xs[0]);
+      EXPECT_EQ(node->membrane_potentials()[0].scalar_type(),
+                float_membrane ? torch::kFloat : dtype);
+    }
+  }
+  // A float membrane makes the bf16 neuron the float32 neuron on the same input.
+  const auto xb = xs32.to(torch::kBFloat16);
+  const auto low = run_neuron(mpipe::snn::LIFNode(), xb).first;
+  const auto full = run_neuron(mpipe::snn::LIFNode(), xb.to(torch::kFloat)).first;
+  expect_close(low, full, 0, "bf16 input, float membrane == float32 neuron");
+}
+
+}  // namespace
+
+TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16) {
+  neurons_in_low_precision(torch::kCPU);
+}
+
+TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  neurons_in_low_precision(torch::Device("cuda:0"));
 }
