@@ -117,6 +117,17 @@ inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, double 
   EXPECT_LE(diff, tol) << what << ": max |a - b| = " << diff;
 }
 
+/// |a - b| <= rtol * max(1, max |b|), both converted to double.
+inline void expect_rel(const torch::Tensor& a, const torch::Tensor& b, double rtol,
+                       const std::string& what) {
+  ASSERT_TRUE(a.defined() && b.defined()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const auto da = a.detach().cpu().to(torch::kDouble), db = b.detach().cpu().to(torch::kDouble);
+  const double scale = std::max(1.0, db.abs().max().item<double>());
+  const double diff = (da - db).abs().max().item<double>();
+  EXPECT_LE(diff, rtol * scale) << what << ": max |a - b| = " << diff << ", scale " << scale;
+}
+
 inline void expect_same_grads(const std::map<std::string, torch::Tensor>& a,
                               const std::map<std::string, torch::Tensor>& b,
                               double tol = 1e-10) {

@@ -29,17 +29,6 @@ using mpipe::TrainStepOptions;
 
 namespace {
 
-/// |a - b| <= rtol * max(1, max |b|), both converted to double.
-void expect_rel(const torch::Tensor& a, const torch::Tensor& b, double rtol,
-                const std::string& what) {
-  ASSERT_TRUE(a.defined() && b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const auto da = a.detach().cpu().to(torch::kDouble), db = b.detach().cpu().to(torch::kDouble);
-  const double scale = std::max(1.0, db.abs().max().item<double>());
-  const double diff = (da - db).abs().max().item<double>();
-  EXPECT_LE(diff, rtol * scale) << what << ": max |a - b| = " << diff << ", scale " << scale;
-}
-
 void expect_rel_grads(const std::map<std::string, torch::Tensor>& a,
                       const std::map<std::string, torch::Tensor>& b, double rtol) {
   ASSERT_EQ(a.size(), b.size());
