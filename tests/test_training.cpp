@@ -1,7 +1,7 @@
 // Training: the runtime follows each schedule's programs and programs a user
 // writes (TrainStepPrograms), the training step's gradients against the plain
-// model, checkpointing (with the same dropout mask on recompute), deferred
-// BatchNorm (its statistics and precision), and bad input. The schedules as
+// model, deferred BatchNorm (its statistics and precision), and bad input
+// (checkpointing: test_checkpointing.cpp). The schedules as
 // pure functions are in test_schedule.cpp.
 
 #include "common.h"
@@ -302,124 +302,6 @@ INSTANTIATE_TEST_SUITE_P(
                       TrainCase{Schedule::Auto, Checkpoint::Never, true},
                       TrainCase{Schedule::Auto, Checkpoint::Always, false}),
     case_name);
-
-namespace {
-
-/// Multiplies by a fresh uniform mask and records the mask drawn in each call,
-/// by micro-batch and by whether the call was a recompute.
-struct MaskImpl : torch::nn::Module {
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto mask = torch::rand_like(x);
-    const int64_t mb = mpipe::current_micro_batch().index;
-    (mpipe::is_recomputing() ? recomputed : original)[mb] = mask;
-    ++calls;
-    return x * mask;
-  }
-  std::map<int64_t, torch::Tensor> original, recomputed;
-  int64_t calls = 0;
-};
-TORCH_MODULE(Mask);
-
-}  // namespace
-
-TEST(Checkpointing, RecomputeDrawsTheSameRandomNumbers) {
-  for (bool threads : {true, false}) {
-    for (auto schedule : all_schedules()) {
-      SCOPED_TRACE(std::string(threads ? "threads, " : "inline, ") + schedule_name(schedule));
-      // Three stages on one device share its generator.
-      std::vector<Mask> masks(3);
-      auto pipe = ModelPipeline(
-          ModelPipelineOptions().worker_threads(threads).checkpoint(Checkpoint::Always));
-      pipe->append(torch::nn::Linear(4, 4), "cpu");
-      for (auto& m : masks) pipe->append(m, "cpu");
-      auto x = torch::randn({8, 4});
-      pipe->train_step(x, torch::zeros({8, 4}),
-                       [](const torch::Tensor& o, const torch::Tensor& y) {
-                         return torch::mse_loss(o, y);
-                       },
-                       schedule_options(schedule, 2, 4));
-      for (auto& m : masks) {
-        ASSERT_EQ(m->original.size(), 4u);
-        ASSERT_EQ(m->recomputed.size(), 4u);
-        EXPECT_EQ(m->calls, 8);  // each micro-batch twice
-        for (int64_t i = 0; i < 4; ++i) {
-          expect_close(m->recomputed[i], m->original[i], 0.0, "mask " + std::to_string(i));
-        }
-        // Different micro-batches got different masks: the check can fail.
-        EXPECT_GT((m->original[0] - m->original[1]).abs().max().item<double>(), 0.0);
-      }
-    }
-  }
-}
-
-TEST(Checkpointing, DropoutGradientsMatchTheRunWithoutCheckpointing) {
-  auto grads_with = [](Checkpoint c) {
-    torch::manual_seed(21);
-    std::vector<torch::nn::Sequential> stages;
-    for (int j = 0; j < 3; ++j) {
-      stages.emplace_back(torch::nn::Linear(6, 6), torch::nn::Dropout(0.5), torch::nn::Tanh());
-    }
-    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(false).checkpoint(c));
-    for (auto& s : stages) pipe->append(s, "cpu");
-    torch::manual_seed(22);
-    pipe->train_step(torch::randn({9, 6}), torch::randn({9, 6}),
-                     [](const torch::Tensor& o, const torch::Tensor& y) {
-                       return torch::mse_loss(o, y);
-                     },
-                     TrainStepOptions(2).schedule(Schedule::OneFOneB));
-    return grads_of(*pipe);
-  };
-  auto never = grads_with(Checkpoint::Never);
-  expect_same_grads(never, grads_with(Checkpoint::Always), 0.0);
-  expect_same_grads(never, grads_with(Checkpoint::ExceptLast), 0.0);
-}
-
-TEST(Checkpointing, DropoutOnTheGpuDrawsTheForwardsMaskThreadedAndInline_CUDA) {
-  MPIPE_REQUIRE_CUDA(1);
-  const torch::Device g("cuda:0");
-  for (bool threads : {true, false}) {
-    SCOPED_TRACE(threads ? "threads" : "inline");
-    auto grads_with = [&](Checkpoint c) {
-      torch::manual_seed(21);
-      std::vector<torch::nn::Sequential> stages;
-      for (int j = 0; j < 3; ++j) {
-        stages.emplace_back(torch::nn::Linear(64, 64), torch::nn::Dropout(0.5), torch::nn::Tanh());
-      }
-      // Stages on the GPU and the CPU: each draws from its own device's generators.
-      const std::vector<torch::Device> where = {g, torch::kCPU, g};
-      auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads).checkpoint(c));
-      for (int j = 0; j < 3; ++j) pipe->append(stages[static_cast<size_t>(j)], where[static_cast<size_t>(j)]);
-      pipe->to(torch::kDouble);
-      torch::manual_seed(22);
-      auto x = torch::randn({16, 64}, torch::TensorOptions(g).dtype(torch::kDouble));
-      auto y = torch::randn({16, 64}, torch::TensorOptions(g).dtype(torch::kDouble));
-      pipe->train_step(x, y, [](const torch::Tensor& o, const torch::Tensor& t) {
-        return torch::mse_loss(o, t);
-      }, TrainStepOptions(4).schedule(Schedule::OneFOneB));
-      return grads_of(*pipe);
-    };
-    auto never = grads_with(Checkpoint::Never);
-    double norm = 0;
-    for (const auto& kv : never) norm += kv.second.abs().sum().item<double>();
-    EXPECT_GT(norm, 0);
-    expect_same_grads(never, grads_with(Checkpoint::Always), 0.0);
-    expect_same_grads(never, grads_with(Checkpoint::ExceptLast), 0.0);
-  }
-}
-
-TEST(Checkpointing, NothingIsRecomputedInEvalMode) {
-  std::vector<Recorder> recorders(2);
-  auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(Checkpoint::Always));
-  pipe->append(torch::nn::Linear(2, 2), "cpu");
-  for (auto& r : recorders) pipe->append(r, "cpu");
-  auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& y) { return torch::mse_loss(o, y); };
-  pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, TrainStepOptions(1));
-  EXPECT_EQ(recorders[0]->seen.size(), 8u);  // training: forward + recompute
-  recorders[0]->seen.clear();
-  pipe->eval();
-  pipe->train_step(torch::randn({4, 2}), torch::randn({4, 2}), loss_fn, TrainStepOptions(1));
-  EXPECT_EQ(recorders[0]->seen.size(), 4u);
-}
 
 TEST(DeferredBatchNorm, VarianceStaysExactForALargeMean) {
   // Data with mean 300 and standard deviation 1, in float: E[x^2] - mean^2 in
