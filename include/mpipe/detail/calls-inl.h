@@ -354,8 +354,8 @@ MPIPE_FUNC std::string ModelPipelineImpl::State::connect(const char* method) {
   for (size_t p = 0; p < counts.size(); ++p) {
     if (counts[p] <= 0) {
       empty += c10::str(empty.empty() ? "" : ", ", "rank ",
-                        detail::group_impl(group)->world_rank(static_cast<int64_t>(p)), " (pipeline rank ", p,
-                        ")");
+                        detail::group_impl(group)->world_rank(static_cast<int64_t>(p)),
+                        " (pipeline rank ", p, ")");
     }
     l.first.push_back(first);
     first += counts[p];

@@ -46,9 +46,10 @@ namespace detail {
 //     peer's End, so the next call starts on clean channels even after an
 //     error, and a rank that finished its own work still fails when another
 //     rank failed ("rank 2 failed: ..."), naming the stage and item.
-// Every rank takes part in that exchange, also one that appended no stage: then every rank fails naming it. A rank
-// that appends a stage after the first call fails its next calls through the
-// call itself (step 4 carries its error to every rank).
+// Every rank takes part in that exchange, also one that appended no stage:
+// then every rank fails naming it. A rank that appends a stage after the
+// first call fails its next calls through the call itself (step 4 carries its
+// error to every rank).
 // A peer that dies breaks its connection (the receiving thread fails at once).
 // One that stalls leaves the ranks after it waiting for inputs and those
 // before it for gradients, each behind the next: a receive from another rank
@@ -60,10 +61,9 @@ namespace detail {
 // then ends within kAnswer without the stalled rank's End (Note [Ending a
 // call] in distributed-inl.h). A rank stalled before the pipeline's first
 // call is named by the exchange of the stage ranges (one message to and from
-// every rank, each waited for with the timeout). A
-// stall, a death or a broken protocol marks the group broken: later calls
-// fail at once (restart every rank). Errors in a stage or in a call's
-// arguments leave the group usable.
+// every rank, each waited for with the timeout). A stall, a death or a broken
+// protocol marks the group broken: later calls fail at once (restart every
+// rank). Errors in a stage or in a call's arguments leave the group usable.
 //
 // Note [Message addresses]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -191,8 +191,9 @@ MPIPE_FUNC CallInfo RemoteCall::await_call(const char* method) {
   TORCH_CHECK(failure_.empty(), "mpipe::ModelPipeline::", method, ": ", failure_);
   const int64_t mine = method_code(method);
   TORCH_CHECK(call_.method == mine, "mpipe::ModelPipeline::", method, ": rank ", group_.rank(),
-              " calls ", method, " but the first rank (rank ", detail::group_impl(group_)->world_rank(0),
-              ") calls ", kMethods[call_.method], "; every rank must make the same calls");
+              " calls ", method, " but the first rank (rank ",
+              detail::group_impl(group_)->world_rank(0), ") calls ", kMethods[call_.method],
+              "; every rank must make the same calls");
   return call_;
 }
 
@@ -312,7 +313,7 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
     : local_(local), call_(call), first_(first), end_(end), skips_(skips), fail_(std::move(fail)) {
   // Who a receive of `key` by stage `to` waits on: the stage before (inputs,
   // skips) or after (gradients); -1 when that is not known here.
-  auto producer = [this](int64_t to, const Key& key) -> int64_t {
+  auto producer = [](int64_t to, const Key& key) -> int64_t {
     if (key.kind == Key::Activation) return to - 1;
     if (key.kind == Key::Gradient) return to + 1;
     return -1;
