@@ -117,6 +117,11 @@ inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, double 
   EXPECT_LE(diff, tol) << what << ": max |a - b| = " << diff;
 }
 
+/// The tests' usual loss: mean squared error.
+inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::mse_loss(out, target);
+}
+
 /// |a - b| <= rtol * max(1, max |b|), both converted to double.
 inline void expect_rel(const torch::Tensor& a, const torch::Tensor& b, double rtol,
                        const std::string& what) {

@@ -23,12 +23,6 @@ using mpipe::TrainStepOptions;
 namespace snn = mpipe::snn;
 
 namespace {
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
-}  // namespace
-
-namespace {
 
 /// Multiplies by a fresh uniform mask and records the mask drawn in each call,
 /// by micro-batch and by whether the call was a recompute.

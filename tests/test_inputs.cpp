@@ -22,10 +22,6 @@ namespace snn = mpipe::snn;
 
 namespace {
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
-
 struct Net {
   std::vector<torch::nn::Sequential> stages;
   ModelPipeline pipe;

@@ -164,10 +164,6 @@ void expect_same_state(const std::vector<torch::Tensor>& a, const std::vector<to
   }
 }
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
-
 /// One call of a kind: returns its result (output or loss); for forward-type
 /// calls also backpropagates sum(out^2), so every call leaves gradients.
 struct CallKind {

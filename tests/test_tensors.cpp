@@ -23,10 +23,6 @@ namespace {
 
 constexpr int64_t W = 6;
 
-torch::Tensor mse(const torch::Tensor& y, const torch::Tensor& t) {
-  return torch::mse_loss(y, t);
-}
-
 // ---------------------------------------------------------------------------
 // A three-stage model whose stages pass (features, mask): stage 0 takes two
 // tensors and returns a tuple, stage 1 takes and returns mpipe::Tensors and

@@ -173,7 +173,7 @@ at::Tensor step_sum(const at::Tensor& steps) {  // summed step by step, as the p
   return sum;
 }
 
-at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+using mpipe_test::mse;
 
 /// One call on `p`, checked; `describe` says what it was. Returns false on
 /// an unexpected exception (the group may be broken: stop).

@@ -91,7 +91,7 @@ void expect_same_grads(const mpipe::ModelPipeline& pipe, const Stages& reference
   }
 }
 
-at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+using mpipe_test::mse;
 
 bool skip_unless_one_replica() { return group().replicas() != 1; }
 
