@@ -106,6 +106,12 @@ TEST(TrainingSchedule, ProgramsAreExactForSmallSizes) {
   EXPECT_EQ(sch::one_f_one_b(2, 4)[0], (sch::Program{F(0, 0), F(1, 0), B(0, 0), B(1, 0)}));
   EXPECT_EQ(sch::forward_only(2, 2),
             (std::vector<sch::Program>{{F(0, 0), F(1, 0)}, {F(0, 1), F(1, 1)}}));
+  // constant_train_step's: backwards from the last time chunk down.
+  EXPECT_EQ(sch::chained(3, 2),
+            (std::vector<sch::Program>{{F(0, 0), F(1, 0), F(2, 0), B(2, 0), B(1, 0), B(0, 0)},
+                                       {F(0, 1), F(1, 1), F(2, 1), B(2, 1), B(1, 1), B(0, 1)}}));
+  EXPECT_NO_THROW(sch::validate(sch::chained(5, 3), 3, 5));
+  EXPECT_THROW(sch::chained(0, 2), c10::ValueError);
 }
 
 TEST(TrainingSchedule, InterleavedProgramsFollowMegatronsRule) {

@@ -130,6 +130,28 @@ TEST(Timeline, TrainStepRecordsForwardsBackwardsAndRecomputes) {
   }
 }
 
+TEST(Timeline, ConstantTrainStepRunsABackwardPerStageAndTimeStep) {
+  for (bool threads : {true, false}) {
+    auto pipe = ModelPipeline(ModelPipelineOptions().record_timeline(true).worker_threads(threads));
+    pipe->append(Leaky(4), "cpu").append(Leaky(4), "cpu").append(Leaky(4), "cpu");
+    auto loss_fn = [](const torch::Tensor& y, const torch::Tensor&) { return y.pow(2).mean(); };
+    pipe->constant_train_step(torch::randn({2, 4}), 5, torch::Tensor(), loss_fn);
+    const Timeline t = pipe->timeline();
+    EXPECT_EQ(t.method, "constant_train_step");
+    auto f = by_stage_item(t, TaskKind::Forward);
+    auto b = by_stage_item(t, TaskKind::Backward);
+    EXPECT_EQ(f.size(), 15u);
+    EXPECT_EQ(b.size(), 15u) << "one backward task per (stage, time step)";
+    for (const auto& kv : b) {
+      const int64_t stage = kv.first.first, step = kv.first.second;
+      EXPECT_GE(kv.second.start_ms, f.at({stage, 4}).end_ms) << "after the stage's forwards";
+      if (stage < 2) EXPECT_GE(kv.second.start_ms, b.at({stage + 1, step}).end_ms);
+      if (step < 4) EXPECT_GE(kv.second.start_ms, b.at({stage, step + 1}).end_ms);
+    }
+    check_exports(t);
+  }
+}
+
 TEST(Timeline, OffByDefaultAndExportErrorsAreClear) {
   auto pipe = ModelPipeline();
   pipe->append(mlp_stage(4, 4), "cpu");

@@ -532,6 +532,66 @@ TEST(ConstantTrainStep, LossAndGradientsEqualThePlainLoop) {
   }
 }
 
+/// Adds the input it saw one step earlier: its state holds a stage input,
+/// so a time step's gradient reaches the step before through that input.
+struct EchoImpl : torch::nn::Module, mpipe::Stateful {
+  explicit EchoImpl(int64_t width) { fc = register_module("fc", torch::nn::Linear(width, width)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor& before = last.get();
+    torch::Tensor out = torch::tanh(fc(x) + (before.defined() ? before * 0.5 : torch::zeros_like(x)));
+    before = x;
+    return out;
+  }
+  void reset_state() override { last.clear(); }
+  torch::nn::Linear fc{nullptr};
+  mpipe::PerMicroBatch<torch::Tensor> last;
+};
+TORCH_MODULE(Echo);
+
+TEST(ConstantTrainStep, EqualsThePlainLoopBitForBitThroughStateAndTheCallersGraph) {
+  // Note [Chained backward]: each (stage, time step) backpropagates its own
+  // nodes and carries what leaves them; the sums come out in the order of one
+  // backward of the whole graph.
+  torch::manual_seed(25);
+  torch::nn::Linear encoder(3, 6);  // the caller's graph, before the pipeline
+  Leaky a(6, 0.7), c(6, 0.4);
+  Echo b(6);
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE(threads ? "threads" : "inline");
+    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+    pipe->append(a, "cpu").append(b, "cpu").append(c, "cpu");
+    const auto img = torch::randn({4, 3});
+    const auto target = torch::randn({4, 6});
+    auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) {
+      return (out - t).pow(2).mean();
+    };
+    for (int64_t T : {1, 2, 5}) {
+      SCOPED_TRACE("T = " + std::to_string(T));
+      zero_grads(*pipe);
+      encoder->zero_grad();
+      auto loss = pipe->constant_train_step(encoder(img), T, target, loss_fn);
+      auto pipe_grads = grads_of(*pipe);
+      const auto encoder_grad = encoder->weight.grad().clone();
+
+      zero_grads(*pipe);
+      encoder->zero_grad();
+      mpipe::reset_states(*pipe);
+      const auto x = encoder(img);
+      torch::Tensor out;
+      for (int64_t t = 0; t < T; ++t) {
+        torch::Tensor y = c(b(a(x)));
+        out = out.defined() ? out + y : y;
+      }
+      auto plain = loss_fn(out, target);  // the outputs summed over the T steps
+      plain.backward();
+      mpipe::reset_states(*pipe);
+      expect_close(loss, plain, 0.0, "loss");
+      expect_close(encoder_grad, encoder->weight.grad(), 0.0, "the caller's encoder");
+      expect_same_grads(pipe_grads, grads_of(*pipe), 0.0);
+    }
+  }
+}
+
 TEST(ConstantTrainStep, StartsFromRestAndAccumulates) {
   torch::manual_seed(24);
   Leaky a(3, 0.5), b(3, 0.5);

@@ -172,6 +172,21 @@ inline std::vector<Program> gpipe(int64_t n_micro, int64_t n_stages) {
   return programs;
 }
 
+/// constant_train_step's programs: rank s runs stage s, the forwards of
+/// every time chunk, then their backwards from the last chunk down, since a
+/// chunk's backward takes what the next chunk's sent back through the
+/// stage's state (Note [Chained backward]).
+inline std::vector<Program> chained(int64_t n_chunks, int64_t n_stages) {
+  detail::check_sizes("chained", n_chunks, n_stages);
+  std::vector<Program> programs(static_cast<size_t>(n_stages));
+  for (int64_t s = 0; s < n_stages; ++s) {
+    Program& p = programs[static_cast<size_t>(s)];
+    for (int64_t i = 0; i < n_chunks; ++i) p.push_back(F(i, s));
+    for (int64_t i = n_chunks - 1; i >= 0; --i) p.push_back(B(i, s));
+  }
+  return programs;
+}
+
 /// 1F1B (PipeDream-flush): rank s runs stage s, min(n_stages - s - 1,
 /// n_micro) warm-up forwards, then one forward and one backward in turn, then
 /// the remaining backwards. Stage s keeps at most n_stages - s micro-batches'

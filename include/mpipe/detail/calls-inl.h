@@ -164,9 +164,10 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_
 MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors& in,
                                                           int64_t T, bool reduce, int64_t chunk,
                                                           bool threaded,
-                                                          detail::BackwardPositions* positions,
                                                           detail::RemoteCall* remote,
-                                                          const std::vector<bool>& batched) {
+                                                          const std::vector<bool>& batched,
+                                                          const std::function<at::Tensor(const Tensors&)>& loss,
+                                                          const at::Tensor& target) {
   const int64_t n_stages = executor.n_total();
   const detail::TimeChunks chunks{T, chunk};
   CallSpec spec;
@@ -175,7 +176,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, co
   spec.n_items = chunks.count();
   spec.time_chunks = chunks;
   spec.remote = remote;
-  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  spec.programs = loss ? schedules::chained(spec.n_items, n_stages)
+                       : schedules::forward_only(spec.n_items, n_stages);
   std::vector<Input> inputs;
   for (size_t k = 0; k < in.size(); ++k) {
     inputs.push_back(k < batched.size() && !batched[k] ? unbatched(in[k]) : Input(in[k]));
@@ -189,7 +191,6 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, co
     spec.source = [&](int64_t) { return in; };
   }
   spec.caller_tensors = in;
-  spec.backward_positions = positions;
   detail::TimeStepOutputs outs(T, reduce, chunks);
   spec.sink = [&](int64_t i, Tensors o) {
     if (chunks.multi()) {
@@ -198,8 +199,16 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, co
       outs.add(i, std::move(o));
     }
   };
+  if (loss) {
+    spec.training = spec.chained = true;
+    if (target.defined()) spec.caller_tensors.push_back(target);
+    spec.chain_loss = [&] {  // on the last stage, its stream current
+      return loss(calls_impl::for_caller(outs.results(method, n_stages - 1, /*stack=*/false)));
+    };
+  }
   execute(spec, threaded);
   if (remote && !remote->last()) return {};
+  if (loss) return {spec.losses.back()};
   return calls_impl::for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
 }
 
@@ -229,8 +238,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
         });
         return run_constant("constant_forward",
                             call.first() ? detail::tensors_of(inputs) : Tensors{}, info.n_items,
-                            info.reduce != 0, info.chunk, self.options.worker_threads(), nullptr,
-                            &call, batched);
+                            info.reduce != 0, info.chunk, self.options.worker_threads(), &call,
+                            batched);
       });
     });
   }
@@ -250,7 +259,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
       if (out.defined()) return {out};
     }
     return run_constant("constant_forward", in, T, reduce, chunk, self.options.worker_threads(),
-                        nullptr, nullptr, batched);
+                        nullptr, batched);
   });
 }
 

@@ -6,8 +6,8 @@
 
 #include "autocast.h"
 #include "backward_scope.h"
-#include "backward_positions.h"
 #include "cast_grads.h"
+#include "chunk_chain.h"
 #include "errors.h"
 #include "recorder.h"
 #include "remote.h"
@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -185,6 +186,7 @@ struct Executor::Run {
     StateSnapshot state_before;  // checkpointed: the stage's module state before forward
     bool checkpointed = false;
     WeightPass weights;  // split backward: prepared by I(i), run by W(i)
+    ChunkNodes nodes;    // chained: the nodes the forward made (Note [Chained backward])
   };
 
   CallSpec* call = nullptr;
@@ -200,6 +202,8 @@ struct Executor::Run {
   Tensors stage0_input;                   // same_input: received once
   std::vector<std::vector<Saved>> saved;  // [stage][item], training only
   std::vector<std::unique_ptr<CastGrads>> cast_grads;  // [stage]: Note [Cast gradients per step]
+  std::vector<ChunkChain> chains;                      // [stage], chained calls
+  std::set<const torch::autograd::Node*> stops;        // chained: the caller's inputs' nodes
 
   std::mutex mutex;  // guards what follows
   std::atomic<bool> failed{false};
@@ -293,6 +297,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   const StagePlace& stage = place(j);
   const c10::optional<c10::Stream> compute = stream_for(call, j, i);  // Note [Lanes]
   const bool last = j + 1 == n_total();
+  const uint64_t first_node = ChunkNodes::now();
   Tensors in;
   if (j == 0 && call.same_input && i > 0) {
     in = run.stage0_input;
@@ -305,7 +310,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   Run::Saved* sv = call.training ? &run.saved[local(j)][static_cast<size_t>(i)]
                                  : nullptr;
   const bool ckpt = call.training && checkpointed(call.checkpoint, i, call.n_items);
-  if (sv) {
+  if (sv && !(call.chained && j == 0)) {  // chained: the caller's graph is the chain's
     sv->checkpointed = ckpt;
     for (size_t k = 0; k < in.size(); ++k) {
       in[k] = leaf(in[k], j > 0 || (k < call.input_requires_grad.size() &&
@@ -364,7 +369,6 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   for (size_t k = 0; k < out.size(); ++k) {
     TORCH_CHECK(out[k].defined(), "the stage returned an undefined tensor",
                 out.size() > 1 ? c10::str(" (output ", k, " of ", out.size(), ")") : "");
-    if (call.backward_positions) call.backward_positions->tag(j, i, out[k]);
   }
   if (last) {
     // Every stage ran item i: a stash no stage popped is an error of its
@@ -385,7 +389,17 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
         throw DescribedFailure{std::current_exception()};
       }
     }
-    if (call.training) {
+    if (call.chained) {
+      call.sink(i, std::move(out));
+      if (i + 1 == call.n_items) {
+        phase = call.time_chunks.multi() ? "the loss, after time chunk"
+                                         : "the loss, after time step";
+        at::Tensor loss = call.chain_loss();
+        call.losses[static_cast<size_t>(i)] = loss.detach();
+        sv->outputs = {loss};
+      }
+      sv->nodes = ChunkNodes{first_node, ChunkNodes::now()};
+    } else if (call.training) {
       Tensors targets = run.from_caller(j, i, call.target(i));
       if (ckpt) {
         sv->targets = std::move(targets);  // the recompute computes the loss
@@ -401,6 +415,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     return;
   }
   if (sv && !ckpt) sv->outputs = out;
+  if (sv) sv->nodes = ChunkNodes{first_node, ChunkNodes::now()};
   span.reset();
   if (sv) {
     for (auto& t : out) t = t.detach();
@@ -418,7 +433,7 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
-  MicroBatchGuard micro_batch({i, call.n_items});
+  MicroBatchGuard micro_batch(call.micro_batched ? MicroBatch{i, call.n_items} : MicroBatch{});
   Tensors roots = sv.outputs;
   std::map<std::string, at::Tensor> stashed = sv.stashed;
   if (sv.checkpointed) {
@@ -462,7 +477,7 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
       roots = std::move(out);
     }
   }
-  phase = split ? "input gradient of micro-batch" : "backward of micro-batch";
+  if (sv.checkpointed) phase = split ? "input gradient of micro-batch" : "backward of micro-batch";
   c10::optional<TaskSpan> span;  // ends before the hand-off, as in forward_action
   span.emplace(call.recorder, j, i, split ? TaskKind::BackwardInput : TaskKind::Backward,
                stage.device, stage.compute);
@@ -487,7 +502,15 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   Tensors input_grads(sv.inputs.size());
   std::map<std::string, at::Tensor> popped_grads;
   BackwardScope backward_scope;  // Note [Backward on the worker's thread]
-  if (!split) {
+  if (call.chained) {  // Note [Chained backward]: chunk i's nodes, from the last chunk down
+    Tensors leaves = sv.inputs;
+    for (const auto& p : sv.popped) leaves.push_back(p.second);
+    const Tensors got = run.chains[local(j)].backward(r, g, sv.nodes, leaves,
+                                                      /*final=*/i == 0, run.stops);
+    for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = got[k];
+    size_t at = sv.inputs.size();
+    for (const auto& p : sv.popped) popped_grads[p.first] = got[at++];
+  } else if (!split) {
     if (!r.empty()) torch::autograd::backward(r, g);
     for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = grad_of(sv.inputs[k]);
     for (const auto& p : sv.popped) popped_grads[p.first] = grad_of(p.second);
@@ -555,7 +578,10 @@ MPIPE_FUNC std::exception_ptr Executor::describe_failure(const CallSpec& call, c
 MPIPE_FUNC bool Executor::run_action(Run& run, const schedules::Op& op) {
   using schedules::OpKind;
   const int64_t j = op.stage, i = op.micro_batch;
-  const char* phase = !run.call->training                ? run.call->item_name
+  const bool chunks = run.call->time_chunks.multi();
+  const char* phase = !run.call->training || (run.call->chained && op.kind == OpKind::Forward)
+                          ? run.call->item_name
+                      : run.call->chained ? (chunks ? "backward of time chunk" : "backward of time step")
                       : op.kind == OpKind::Forward        ? "forward of micro-batch"
                       : op.kind == OpKind::BackwardWeight ? "weight gradient of micro-batch"
                       : op.kind == OpKind::BackwardInput  ? "input gradient of micro-batch"
@@ -662,6 +688,12 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
                       std::vector<Run::Saved>(static_cast<size_t>(call.n_items)));
     if (call.accumulate_cast_grads) {
       for (int64_t j = 0; j < n_local; ++j) run->cast_grads.push_back(std::make_unique<CastGrads>());
+    }
+  }
+  if (call.chained) {
+    run->chains.resize(static_cast<size_t>(n_local));
+    for (const auto& t : call.caller_tensors) {
+      if (t.defined() && t.grad_fn()) run->stops.insert(t.grad_fn().get());
     }
   }
   fork();

@@ -27,7 +27,6 @@ namespace detail {
 
 class Recorder;           // recorder.h
 class RemoteCall;         // remote.h
-class BackwardPositions;  // backward_positions.h
 
 // Note [One runtime]
 // ~~~~~~~~~~~~~~~~~~
@@ -35,11 +34,12 @@ class BackwardPositions;  // backward_positions.h
 // actions F(i, s) (forward of item i on stage s), B(i, s) (its backward) or,
 // for zero-bubble schedules, I(i, s) and W(i, s) (the backward's input and
 // weight halves, Note [Split backward] in split_backward-inl.h), where items
-// are micro-batches or time steps. Forward-type calls (forward,
-// constant_forward, sequence_forward, and constant_train_step's forward) are
-// programs of forwards only (schedules::forward_only) over one autograd graph;
-// train_step's programs come from its schedule and cut the graph at stage
-// boundaries (Note [Training runtime]).
+// are micro-batches or time steps (or chunks of them). Forward-type calls
+// (forward, constant_forward, sequence_forward) are programs of forwards only
+// (schedules::forward_only) over one autograd graph; training steps cut the
+// graph at stage boundaries (Note [Training runtime]): train_step's programs
+// come from its schedule, constant_train_step's are schedules::chained, whose
+// B(t, s) runs chunk t's part of stage s's graph (Note [Chained backward]).
 //
 // The executor runs the programs, threaded (program k on shared worker k) or
 // inline (the caller runs the actions in schedules::simulate's start order,
@@ -80,12 +80,16 @@ struct CallSpec {
   // Forward-type calls.
   /// Takes the last stage's outputs of item i, on its stream, in item order.
   std::function<void(int64_t, Tensors)> sink;
-  /// Tags each stage call's autograd nodes (Note [Backward positions]); else null.
-  BackwardPositions* backward_positions = nullptr;
 
   // Training steps (Note [Training runtime]).
   bool training = false;
   const char* schedule = "";  // its name, for the timeline
+  /// Time chunks chained by state (constant_train_step): stage 0 takes the
+  /// caller's tensors as they are, the last stage gives its outputs to `sink`
+  /// and, after the last item, backpropagates `chain_loss()`; each B(i, s)
+  /// runs its chunk's nodes only (Note [Chained backward] in chunk_chain.h).
+  bool chained = false;
+  std::function<at::Tensor()> chain_loss;
   /// Item i's targets, on the caller's devices.
   std::function<Tensors(int64_t)> target;
   /// The weighted loss of item i from the last stage's outputs and the targets

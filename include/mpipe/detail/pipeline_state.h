@@ -80,13 +80,16 @@ struct ModelPipelineImpl::State {
                            bool graphable_call);
   /// `spec` through the executor, its tasks recorded when options.record_timeline.
   void execute(detail::CallSpec& spec, bool threaded);
-  /// constant_forward's call (also constant_train_step's forward): the
-  /// outputs summed or concatenated time-major.
+  /// constant_forward's call: the outputs summed or concatenated time-major.
+  /// With `loss` (of the outputs and `target`), constant_train_step's: the
+  /// loss backpropagated chunk by chunk (Note [Chained backward]); returns
+  /// the loss, detached (on the last rank; nothing on the others).
   /// `batched`: which inputs are repeated per step of a chunk (all if empty).
   Tensors run_constant(const char* method, const Tensors& in, int64_t T, bool reduce,
-                       int64_t chunk, bool threaded, detail::BackwardPositions* positions = nullptr,
-                       detail::RemoteCall* remote = nullptr,
-                       const std::vector<bool>& batched = {});
+                       int64_t chunk, bool threaded, detail::RemoteCall* remote = nullptr,
+                       const std::vector<bool>& batched = {},
+                       const std::function<at::Tensor(const Tensors&)>& loss = {},
+                       const at::Tensor& target = {});
   /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
   bool graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
@@ -144,11 +147,6 @@ struct ModelPipelineImpl::State {
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                      bool)>& eager);
   void check_checkpointable(const char* method) const;
-  /// constant_train_step across processes (Note [constant_train_step across
-  /// processes] in train_steps-inl.h).
-  at::Tensor constant_step_across(detail::RemoteCall& call, const std::vector<Input>& inputs,
-                                  int64_t T, const at::Tensor& target,
-                                  const LossFunction& loss_fn, int64_t chunk);
 };
 
 template <typename F>

@@ -67,11 +67,11 @@ namespace detail {
 //
 // Note [Message addresses]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// A call can run in phases, each with its own transport: the executor's run,
-// and for constant_train_step the backward pass across ranks after it. A
-// peer may start the next phase, and send its first messages, while this
-// rank still finishes the previous one (the last rank's gradients can come
-// back before the first rank's forward has detached). So every Data message
+// A call can run in phases, each with its own transport (every call kind runs
+// one today: the executor's run; constant_train_step's backward used to be a
+// second). A peer may start a phase, and send its first messages, before
+// this rank attached its transport, or while it still finishes the previous
+// phase. So every Data message
 // is addressed: its call (the header's pipeline and sequence number, checked
 // by the receiving thread), its phase (the k-th attach on the sending rank is
 // phase k on every rank, since every rank runs the same code), and its item,
@@ -82,8 +82,8 @@ namespace detail {
 // it delays every received message by up to 3 ms at random (so messages
 // overtake one another) and pauses before each phase change, 20-60 ms in a
 // third of them. The stress test runs under it: before phases were
-// addressed it lost constant_train_step's gradients within 300 calls on 2, 3
-// and 4 ranks (docs/RELIABILITY.md).
+// addressed it lost constant_train_step's gradients (then a second phase)
+// within 300 calls on 2, 3 and 4 ranks (docs/RELIABILITY.md).
 
 MPIPE_FUNC int64_t debug_chaos_seed() {
   static const int64_t seed = [] {
@@ -382,22 +382,10 @@ MPIPE_FUNC void RemoteTransport::send(int64_t from, int64_t to, const Key& key, 
     return;
   }
   // The sending stage's stream is current: the host copy in post() waits for it.
-  RemoteCall::Boundary& b = call_.boundary;
-  const bool record = key.kind == Key::Activation && b.record;
   if (key.kind == Key::Activation) {
-    for (auto& held : local_.take_skips(key.item)) {
-      post(held.from, to, held.key, held.values);
-      if (record) {
-        std::lock_guard<std::mutex> lock(b.mutex);
-        for (const auto& t : held.values) b.sent[key.item].push_back(t);
-      }
-    }
+    for (auto& held : local_.take_skips(key.item)) post(held.from, to, held.key, held.values);
   }
   post(from, to, key, values);
-  if (record) {
-    std::lock_guard<std::mutex> lock(b.mutex);
-    for (const auto& t : values) b.sent[key.item].push_back(t);
-  }
 }
 
 MPIPE_FUNC void RemoteTransport::deliver(int64_t peer, WireMessage m) {
@@ -421,17 +409,6 @@ MPIPE_FUNC void RemoteTransport::deliver(int64_t peer, WireMessage m) {
       values = std::move(part.values);
       ready = std::move(part.ready);
       partial_.erase(where);
-    }
-    RemoteCall::Boundary& b = call_.boundary;
-    if (b.record && (m.key.kind == Key::Activation || m.key.kind == Key::Skip)) {
-      std::lock_guard<std::mutex> lock(b.mutex);
-      for (auto& t : values) {
-        if (t.defined() && (at::isFloatingType(t.scalar_type()) ||
-                            at::isComplexType(t.scalar_type()))) {
-          t.requires_grad_(true);  // a leaf: its gradient goes back to the sender
-        }
-        b.received[m.key.item].push_back(t);
-      }
     }
     if (m.key.kind == Key::Skip) {
       TORCH_CHECK(values.size() == 1, "a skip parcel holds one tensor, got ", values.size());

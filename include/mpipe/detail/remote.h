@@ -82,16 +82,6 @@ class RemoteCall {
   void attach(RemoteTransport* transport);
   void detach();
 
-  /// constant_train_step: the graph is cut where tensors cross ranks. With
-  /// `record` set, what each item sent to the next rank (graph attached) and
-  /// what it received from the previous one (made leaves that require grad)
-  /// are kept, in message order, for the backward pass across ranks.
-  struct Boundary {
-    std::mutex mutex;
-    std::atomic<bool> record{false};
-    std::map<int64_t, Tensors> sent, received;  // by item
-  };
-  Boundary boundary;
   /// Sends `m` (a Data message) addressed to the phase now attached.
   void post(int64_t peer, WireMessage m) {
     m.phase = send_phase_;

@@ -10,7 +10,6 @@
 
 #include "autocast.h"
 #include "backward_scope.h"
-#include "backward_positions.h"
 #include "rng.h"
 #include "scatter.h"
 #include "streams.h"
@@ -481,82 +480,53 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
                 "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
   }
   train_steps_impl::check_grad_mode("constant_train_step");
+  std::vector<bool> batched;
+  for (const auto& in : inputs) batched.push_back(in.batched);
+  // One step of this rank's stages: constant_forward's call with the loss of
+  // the summed outputs backpropagated chunk by chunk (Note [Chained backward]).
+  auto step = [&](const Tensors& in, const at::Tensor& y, int64_t n_steps, int64_t k,
+                  bool threaded, detail::RemoteCall* remote) {
+    const Tensors loss = run_constant(
+        "constant_train_step", in, n_steps, /*reduce=*/true, k, threaded, remote, batched,
+        [&](const Tensors& outs) { return train_steps_impl::scalar_loss(loss_fn, outs, y); }, y);
+    if (loss.empty()) return at::Tensor();  // not the last rank
+    detail::record_on_current(loss[0]);  // the caller's streams waited for the stages
+    return loss[0];
+  };
+  // State does not outlive the step, whatever happens. The rollback (guarded)
+  // is set up before, so a failed step ends with the state of its start, not
+  // reset (Note [State snapshots]).
+  struct ResetAfter {
+    torch::nn::Module& m;
+    explicit ResetAfter(torch::nn::Module& module) : m(module) { reset_states(m); }
+    ~ResetAfter() { reset_states(m); }
+  };
   if (distributed()) {
     return guarded("constant_train_step", [&] {
-      reset_states(self);
-      struct ResetAfter {
-        torch::nn::Module& m;
-        ~ResetAfter() { reset_states(m); }
-      } reset_after{self};
+      ResetAfter reset_after(self);
       return across("constant_train_step", [&](detail::RemoteCall& call) {
-        return constant_step_across(call, inputs, T, target, loss_fn, chunk);
+        const auto info = agree(call, "constant_train_step", [&] {
+          return constant_call_info("constant_train_step", inputs, T, chunk);
+        });
+        if (call.last()) {
+          TORCH_CHECK(static_cast<bool>(loss_fn),
+                      "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+        }
+        train_steps_impl::ReplicaGradients replicas(self.parameters(), &call);  // a mean loss
+        at::Tensor loss = step(call.first() ? detail::tensors_of(inputs) : Tensors{},
+                               call.last() ? target : at::Tensor(), info.n_items, info.chunk,
+                               self.options.worker_threads(), &call);
+        replicas.reduce(/*mean=*/true, loss);
+        return loss;
       });
     });
   }
-  const size_t last = devices.size() - 1;
   chunk = resolve_chunk(chunk, T);
-  std::vector<bool> batched;
-  for (const auto& in : inputs) batched.push_back(in.batched);
-  const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
-  auto eager = [&](const Tensors& in, const at::Tensor& tgt, bool threaded) {
-    detail::BackwardPositions positions(in[0]);  // Note [Backward positions]
-    const Tensors outs = run_constant("constant_train_step", in, T, /*reduce=*/true, chunk,
-                                      threaded, &positions, nullptr, batched);
-    struct JoinOnError {  // the caller's streams wait for the stage streams, also after an error
-      detail::Executor& executor;
-      bool done = false;
-      ~JoinOnError() {
-        if (done) return;
-        try {
-          executor.join();
-        } catch (...) {  // the first error is the one to report
-        }
-      }
-    } join_on_error{executor};
-    at::Tensor loss;
-    {
-      // The loss and the backward call run on the last stage's stream, as in
-      // train_step; the caller's stream waits for them below.
-      c10::OptionalStreamGuard last_stage(executor.compute_stream(last));
-      loss = train_steps_impl::scalar_loss(loss_fn, outs, tgt, "constant_train_step");
-      std::string failure;
-      try {
-        // Note [Backward on the worker's thread]
-        detail::BackwardScope backward_scope(one_device());
-        torch::autograd::backward({loss});
-      } catch (const c10::Error& e) {
-        failure = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        failure = e.what();
-      }
-      if (!failure.empty()) {
-        const auto position = positions.last();
-        TORCH_CHECK(position.first < 0, "mpipe::ModelPipeline::constant_train_step: stage ",
-                    position.first, " (on ", devices[static_cast<size_t>(position.first)],
-                    ") failed at backward of ", chunks.describe(position.second), ": ",
-                    failure);
-        TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: the backward pass failed "
-                    "before reaching a stage (in the loss's backward): ", failure);
-      }
-    }
-    join_on_error.done = true;
-    executor.join();  // the caller's streams wait for the stage streams
-    if (const auto s = executor.compute_stream(last)) {
-      detail::record_on(loss, detail::current_stream(s->device()));  // used there now
-    }
-    return loss.detach();
-  };
   return guarded("constant_train_step", [&] {
-    // The rollback (guarded) is set up before ResetAfter, so a failed step
-    // ends with the state of its start, not reset (Note [State snapshots]).
-    reset_states(self);
-    struct ResetAfter {  // state does not outlive the step, whatever happens
-      torch::nn::Module& m;
-      ~ResetAfter() { reset_states(m); }
-    } reset_after{self};
+    ResetAfter reset_after(self);
     const Tensors in = detail::tensors_of(inputs);
     if (!(graphable_call && inputs.size() == 1)) {
-      return eager(in, target, self.options.worker_threads());
+      return step(in, target, T, chunk, self.options.worker_threads(), nullptr);
     }
     GraphKey key;
     key.method = "constant_train_step";
@@ -573,124 +543,9 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     // requires one); such a step is never graphed.
     return run_step(key, true, in[0], target,
                     [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
-                      return eager({x}, y, threaded);
+                      return step({x}, y, T, chunk, threaded, nullptr);
                     });
   });
-}
-
-// Note [constant_train_step across processes]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The T time steps run as in one process (one graph per rank, stateful
-// modules linking the steps), but the graph cannot cross a process: what an
-// item sends to the next rank is kept with its graph, and what arrives from
-// the previous rank becomes a leaf that requires grad (RemoteCall::Boundary).
-// Then the backward pass runs rank by rank from the last: the last rank
-// backpropagates the loss, every other rank waits for the gradients of what
-// it sent (one message per time step) and backpropagates them, and each rank
-// but the first sends its leaves' gradients back. The first rank's backward
-// reaches the caller's input.
-MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_step_across(
-    detail::RemoteCall& call, const std::vector<Input>& inputs, int64_t T, const at::Tensor& target,
-    const LossFunction& loss_fn, int64_t chunk) {
-  const auto info = agree(call, "constant_train_step",
-                          [&] { return constant_call_info("constant_train_step", inputs, T, chunk); });
-  const detail::TimeChunks chunks{info.n_items, info.chunk};
-  const int64_t n_items = chunks.count();
-  if (call.last()) {
-    TORCH_CHECK(static_cast<bool>(loss_fn),
-                "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
-  }
-  train_steps_impl::ReplicaGradients replicas(self.parameters(), &call);  // averaged: a mean loss
-  call.boundary.record = true;
-  const Tensors in = call.first() ? detail::tensors_of(inputs) : Tensors{};
-  detail::BackwardPositions positions(call.first() ? in[0] : at::Tensor());
-  std::vector<bool> batched;
-  for (const auto& input : inputs) batched.push_back(input.batched);
-  const Tensors outs = run_constant("constant_train_step", in, info.n_items, /*reduce=*/true,
-                                    info.chunk, self.options.worker_threads(), &positions, &call,
-                                    batched);
-  call.boundary.record = false;
-
-  // The backward pass, rank by rank (this rank's first and last stages).
-  const int64_t first = executor.first_stage();
-  const int64_t last = first + static_cast<int64_t>(devices.size()) - 1;
-  detail::LocalTransport mail(executor.stages(), first, /*blocking=*/true, nullptr,
-                              call.group().timeout());
-  std::exception_ptr failure;
-  detail::RemoteTransport link(mail, call, first, last + 1, nullptr,
-                               [&](std::exception_ptr e) {
-                                 if (!failure) failure = e;
-                                 mail.abort();
-                               });
-  call.attach(&link);
-  struct Detach {
-    detail::RemoteCall& call;
-    ~Detach() { call.detach(); }
-  } detach{call};
-  std::vector<at::Tensor> roots, grads;
-  at::Tensor loss;
-  executor.join();
-  const char* phase = "the loss";
-  int64_t item = -1;
-  try {
-    if (call.last()) {
-      c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
-      loss = train_steps_impl::scalar_loss(loss_fn, outs, target);
-      roots.push_back(loss);
-      grads.emplace_back();
-    } else {
-      phase = chunks.multi() ? "the gradients from the next rank for time chunk"
-                             : "the gradients from the next rank for time step";
-      for (item = 0; item < n_items; ++item) {
-        const Tensors got = link.receive(last, detail::Key{detail::Key::Gradient, item, {}});
-        const Tensors& sent = call.boundary.sent[item];
-        TORCH_CHECK(got.size() == sent.size(), "the next rank sent ", got.size(),
-                    " gradients for the ", sent.size(), " tensors this rank sent it");
-        for (size_t k = 0; k < sent.size(); ++k) {
-          if (sent[k].requires_grad() && got[k].defined()) {
-            roots.push_back(sent[k]);
-            grads.push_back(got[k]);
-          }
-        }
-      }
-    }
-    phase = "backward";
-    item = -1;
-    if (!roots.empty()) {
-      detail::BackwardScope backward_scope(one_device());
-      torch::autograd::backward(roots, grads);
-    }
-    executor.join();
-    if (!call.first()) {
-      for (int64_t t = 0; t < n_items; ++t) {
-        Tensors back;
-        for (const auto& leaf : call.boundary.received[t]) {
-          back.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
-        }
-        link.send(first, first - 1, detail::Key{detail::Key::Gradient, t, {}}, std::move(back));
-      }
-    }
-  } catch (const c10::Error& e) {
-    if (failure) std::rethrow_exception(failure);
-    std::string where;
-    if (std::string(phase) == "backward") {
-      const auto position = positions.last();
-      where = position.first >= 0
-                  ? c10::str("stage ", position.first, " (rank ", call.group().rank(),
-                             ") failed at backward of ", chunks.describe(position.second),
-                             ": ")
-                  : std::string("the backward pass failed: ");
-    } else {
-      where = c10::str("rank ", call.group().rank(), " failed at ", phase,
-                       item >= 0 ? c10::str(" ", item) : std::string(), ": ");
-    }
-    TORCH_CHECK(false, "mpipe::ModelPipeline::constant_train_step: ", where,
-                e.what_without_backtrace());
-  }
-  if (failure) std::rethrow_exception(failure);
-  if (loss.defined()) loss = loss.detach();
-  replicas.reduce(/*mean=*/true, loss);
-  return loss;
 }
 
 }  // namespace mpipe
