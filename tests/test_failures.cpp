@@ -1,30 +1,23 @@
-// Reliability: failed calls (what they leave, how the pipeline recovers),
-// systematic fault injection at every stage, position and phase, and what
-// building many pipelines leaves behind.
+// Failures: what a failed call leaves (DeferredBatchNorm statistics, state,
+// gradients) and how the pipeline recovers, and systematic fault injection at
+// every stage, position and phase of every call kind, eager and graphed.
+// What building many pipelines leaves behind is in test_lifetime.cpp.
 
 #include "common.h"
 
 #include <mpipe/snn.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 
-#ifdef MPIPE_TEST_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
-
 using namespace mpipe_test;
 using mpipe::Checkpoint;
-using mpipe::LossReduction;
 using mpipe::ModelPipeline;
 using mpipe::ModelPipelineOptions;
 using mpipe::Schedule;
@@ -229,7 +222,7 @@ std::vector<CallKind> call_kinds() {
 
 }  // namespace
 
-TEST(FailedCalls, DeferredBatchNormCommitsNothingAndStateIsRolledBack) {
+TEST(Failures, DeferredBatchNormCommitsNothingAndStateIsRolledBack) {
   // Stage 2 fails after stage 1's DeferredBatchNorm has seen (and, at the last
   // micro-batch, committed) every micro-batch.
   struct Net {
@@ -282,7 +275,7 @@ TEST(FailedCalls, DeferredBatchNormCommitsNothingAndStateIsRolledBack) {
   }
 }
 
-TEST(FailedCalls, GradientsArePartialAndZeroingRecovers) {
+TEST(Failures, GradientsArePartialAndZeroingRecovers) {
   // What a failed train_step leaves in .grad is unspecified (the backwards
   // that ran have accumulated); zero_grad() and a new step give exact
   // gradients, with no trace of the failure.
@@ -315,7 +308,7 @@ TEST(FailedCalls, GradientsArePartialAndZeroingRecovers) {
 // error names the stage and the position, nothing hangs (watchdog), the state
 // is as before the call, and the next call equals that of a pipeline that
 // never failed.
-TEST(FaultInjection, EveryStagePositionAndPhase) {
+TEST(Failures, EveryStagePositionAndPhase) {
   Watchdog watchdog(std::chrono::seconds(60));
   int cases = 0;
   for (bool threads : {true, false}) {
@@ -401,7 +394,7 @@ TEST(FaultInjection, EveryStagePositionAndPhase) {
 // first and captures at the second; a replay cannot fail in a stage. A fault in the
 // warm-up or the capture is named like an eager one, and later calls (eager
 // or replayed) equal those of a pipeline that never used graphs.
-TEST(FaultInjection, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
+TEST(Failures, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device g("cuda:0");
   Watchdog watchdog(std::chrono::seconds(120));
@@ -460,89 +453,4 @@ TEST(FaultInjection, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
     }
   }
   std::printf("graphed fault injection: %d cases\n", cases);
-}
-
-// ---------------------------------------------------------------------------
-// Lifetime: a program that builds pipelines again and again (a search over
-// splits, a server) must not lose threads or memory with each one (Note
-// [Shared streams and workers] in mpipe/detail/executor-inl.h).
-
-namespace {
-
-// AddressSanitizer keeps freed memory in quarantine, so RSS grows under it
-// without a leak (LeakSanitizer checks leaks there).
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kRssIsMeaningful = false;
-#else
-constexpr bool kRssIsMeaningful = true;
-#endif
-
-/// A field of /proc/self/status (Threads, VmRSS in kB); -1 where unavailable.
-int64_t proc_status(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) {
-      std::istringstream value(line.substr(field.size() + 1));
-      int64_t v = -1;
-      value >> v;
-      return v;
-    }
-  }
-  return -1;
-}
-
-/// Builds a 4-stage pipeline on `device`, runs one train_step and one
-/// forward, and destroys it.
-void build_use_and_drop(const torch::Device& device, int64_t width) {
-  auto pipe = ModelPipeline();
-  for (int i = 0; i < 4; ++i) pipe->append(mlp_stage(width, width), device);
-  auto x = torch::randn({64, width}, device);
-  auto target = torch::randn({64, width}, device);
-  pipe->train_step(x, target, [](const torch::Tensor& y, const torch::Tensor& t) {
-    return torch::mse_loss(y, t);
-  }, TrainStepOptions(16));
-  torch::NoGradGuard no_grad;
-  pipe->forward(x, 16);
-}
-
-}  // namespace
-
-TEST(Lifetime, ManyPipelinesKeepThreadsAndHostMemoryFlat) {
-  build_use_and_drop(torch::kCPU, 64);
-  const int64_t threads = proc_status("Threads"), rss_kb = proc_status("VmRSS");
-  if (threads < 0 || rss_kb < 0) GTEST_SKIP() << "no /proc/self/status here";
-  for (int i = 1; i < 20; ++i) build_use_and_drop(torch::kCPU, 64);
-  EXPECT_EQ(proc_status("Threads"), threads) << "threads after 20 pipelines";
-  if (kRssIsMeaningful) {
-    EXPECT_LT(proc_status("VmRSS") - rss_kb, 32 * 1024) << "host memory grew (kB)";
-  }
-}
-
-TEST(Lifetime, ManyPipelinesLeaveNoGpuMemoryBehind_CUDA) {
-  MPIPE_REQUIRE_CUDA(1);
-#ifdef MPIPE_TEST_WITH_CUDA
-  namespace alloc = c10::cuda::CUDACachingAllocator;
-  auto allocated_mib = [] {
-    torch::cuda::synchronize();
-    alloc::emptyCache();
-    return static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[0].current) / (1 << 20);
-  };
-  const torch::Device gpu("cuda:0");
-  build_use_and_drop(gpu, 1024);
-  const double level = allocated_mib();
-  const int64_t threads = proc_status("Threads"), rss_kb = proc_status("VmRSS");
-  double highest = level;
-  for (int i = 1; i < 20; ++i) {
-    build_use_and_drop(gpu, 1024);
-    highest = std::max(highest, allocated_mib());
-  }
-  std::printf("[lifetime] allocated after the first pipeline %.1f MiB, highest after any of "
-              "the next 19 %.1f MiB\n", level, highest);
-  EXPECT_LE(highest, level + 1.0) << "GPU memory grew with each pipeline (MiB)";
-  EXPECT_EQ(proc_status("Threads"), threads) << "threads after 20 pipelines";
-  if (kRssIsMeaningful) {
-    EXPECT_LT(proc_status("VmRSS") - rss_kb, 64 * 1024) << "host memory grew (kB)";
-  }
-#endif
 }
