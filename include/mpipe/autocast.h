@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 1
-#endif
+#ifndef MPIPE_AUTOCAST_H_
+#define MPIPE_AUTOCAST_H_
 
 // Mixed precision for a scope, as Python's `with torch.autocast(...)`
 // (LibTorch has the thread-local state but no guard for it):
@@ -44,7 +42,4 @@ class AutocastGuard {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 1
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_AUTOCAST_H_

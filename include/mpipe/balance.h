@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 2
-#endif
+#ifndef MPIPE_BALANCE_H_
+#define MPIPE_BALANCE_H_
 
 // Balancing: split a list of layers into contiguous stages. partition() is
 // exact (a dynamic programme over prefix sums), unlike the greedy heuristic
@@ -79,7 +77,4 @@ ModelPipeline balanced(const torch::nn::Sequential& layers, const std::vector<De
 }  // namespace balance
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 2
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_BALANCE_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 3
-#endif
+#ifndef MPIPE_BATCHNORM_H_
+#define MPIPE_BATCHNORM_H_
 
 // Note [Deferred BatchNorm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -74,7 +72,4 @@ TORCH_MODULE(DeferredBatchNorm);
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 3
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_BATCHNORM_H_

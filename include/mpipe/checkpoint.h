@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 4
-#endif
+#ifndef MPIPE_CHECKPOINT_H_
+#define MPIPE_CHECKPOINT_H_
 
 // Activation checkpointing: which micro-batches a training step recomputes in
 // backward instead of keeping their activations, and how a module can tell
@@ -46,7 +44,4 @@ class RecomputeGuard {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 4
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_CHECKPOINT_H_

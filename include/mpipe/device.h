@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 5
-#endif
+#ifndef MPIPE_DEVICE_H_
+#define MPIPE_DEVICE_H_
 
 // Where a stage runs: the accepted spellings of a device and their checks.
 
@@ -55,7 +53,4 @@ int64_t cuda_device_count();
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 5
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_DEVICE_H_

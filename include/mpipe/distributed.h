@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 6
-#endif
+#ifndef MPIPE_DISTRIBUTED_H_
+#define MPIPE_DISTRIBUTED_H_
 
 // Pipelines across processes and machines, on c10d (PyTorch's distributed
 // backend): the process group a ModelPipeline spans.
@@ -122,7 +120,4 @@ ProcessGroup init(int64_t rank, int64_t world_size, const std::string& master_ad
 }  // namespace distributed
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 6
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_DISTRIBUTED_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 7
-#endif
+#ifndef MPIPE_GRAD_SCALER_H_
+#define MPIPE_GRAD_SCALER_H_
 
 // Loss scaling for fp16 training, as PyTorch's torch.amp.GradScaler (which
 // LibTorch lacks):
@@ -206,7 +204,4 @@ class GradScaler {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 7
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_GRAD_SCALER_H_

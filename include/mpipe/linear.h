@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 8
-#endif
+#ifndef MPIPE_LINEAR_H_
+#define MPIPE_LINEAR_H_
 
 // mpipe::Linear: torch::nn::Linear whose weight autocast casts once per scope.
 //
@@ -24,7 +22,7 @@
 // instead of a separate addition (rounding may differ in the last bit).
 // In a pipeline's train_step under autocast it also sums its weight's
 // gradients over the micro-batches before converting them (Note [Cast
-// gradients per step] in mpipe/detail/cast_grads-inl.h).
+// gradients per step] in mpipe/detail/precision/cast_grads-inl.h).
 
 #include <ATen/ATen.h>
 #include <torch/nn/cloneable.h>
@@ -91,7 +89,4 @@ TORCH_MODULE(Linear);
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 8
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_LINEAR_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 9
-#endif
+#ifndef MPIPE_MEMORY_H_
+#define MPIPE_MEMORY_H_
 
 // A per-device memory summary of a pipeline (ModelPipelineImpl::memory_report).
 
@@ -43,7 +41,4 @@ struct MemoryReport {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 9
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_MEMORY_H_

@@ -1,14 +1,12 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 10
-#endif
+#ifndef MPIPE_MODEL_PIPELINE_H_
+#define MPIPE_MODEL_PIPELINE_H_
 
 // mpipe::ModelPipeline: a model split into stages, each on its own device and
 // stream, with micro-batches (forward) or time steps (constant_forward)
 // streamed through them. Design: docs/design.md and Note [One runtime] in
-// mpipe/detail/executor.h.
+// mpipe/detail/runtime/executor.h.
 
 #include <mpipe/device.h>
 #include <mpipe/memory.h>
@@ -266,7 +264,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
 
-  /// Everything else a pipeline holds (mpipe/detail/pipeline_state.h): the stages'
+  /// Everything else a pipeline holds (mpipe/detail/pipeline/pipeline_state.h): the stages'
   /// executor, the graph cache, the call lock, the last call's timeline and
   /// memory figures; the call kinds are written on it.
   struct State;
@@ -278,7 +276,4 @@ TORCH_MODULE(ModelPipeline);
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 10
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_MODEL_PIPELINE_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 11
-#endif
+#ifndef MPIPE_MPIPE_H_
+#define MPIPE_MPIPE_H_
 
 // Everything mpipe offers, in one include.
 
@@ -25,7 +23,4 @@
 #include <mpipe/training.h>
 #include <mpipe/version.h>
 
-#if MPIPE_DETAIL_OUTER == 11
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_MPIPE_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 12
-#endif
+#ifndef MPIPE_PIPELINE_OPTIONS_H_
+#define MPIPE_PIPELINE_OPTIONS_H_
 
 // Options of mpipe::ModelPipeline, in the style of torch::nn's options structs.
 
@@ -87,7 +85,4 @@ struct ModelPipelineOptions {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 12
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_PIPELINE_OPTIONS_H_

@@ -1,9 +1,5 @@
-#pragma once
-
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 13
-#endif
+#ifndef MPIPE_SCHEDULE_H_
+#define MPIPE_SCHEDULE_H_
 
 // Schedules: `Schedule`, the names train_step takes, and the pure functions
 // behind them: which worker runs which stage's operations on which item
@@ -556,7 +552,4 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 13
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SCHEDULE_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 14
-#endif
+#ifndef MPIPE_SKIP_H_
+#define MPIPE_SKIP_H_
 
 // Skip connections across stages, as torchgpipe's stash/pop: a stage stashes a
 // named tensor and a later stage pops it. The pipeline moves it from the
@@ -48,7 +46,4 @@ void clear_stashed();
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 14
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SKIP_H_

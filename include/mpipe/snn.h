@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 15
-#endif
+#ifndef MPIPE_SNN_H_
+#define MPIPE_SNN_H_
 
 // mpipe's spiking-neural-network toolkit: neurons (single- and multi-step),
 // multi-step containers, the spiking conv block, surrogate gradients,
@@ -18,7 +16,4 @@
 #include <mpipe/snn/surrogate.h>
 #include <mpipe/state.h>
 
-#if MPIPE_DETAIL_OUTER == 15
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 16
-#endif
+#ifndef MPIPE_STATE_H_
+#define MPIPE_STATE_H_
 
 // State that lives across calls (membrane potentials, recurrent state): the
 // interface the model-wide reset looks for, and per-micro-batch storage.
@@ -137,7 +135,4 @@ int64_t reset_states(torch::nn::Module& module);
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 16
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_STATE_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 17
-#endif
+#ifndef MPIPE_TENSORS_H_
+#define MPIPE_TENSORS_H_
 
 // Stages with several tensors: what a stage takes and returns, and how a
 // call's inputs are split into micro-batches.
@@ -46,7 +44,4 @@ using StageForward = std::function<Tensors(const Tensors&)>;
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 17
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_TENSORS_H_

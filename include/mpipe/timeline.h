@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 18
-#endif
+#ifndef MPIPE_TIMELINE_H_
+#define MPIPE_TIMELINE_H_
 
 // What a pipeline did, task by task: recorded when
 // ModelPipelineOptions::record_timeline is on, read with
@@ -81,7 +79,4 @@ struct Timeline {
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 18
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_TIMELINE_H_

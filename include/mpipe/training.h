@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 19
-#endif
+#ifndef MPIPE_TRAINING_H_
+#define MPIPE_TRAINING_H_
 
 // Options of ModelPipelineImpl::train_step: the schedule, the loss and how it
 // is reduced over the batch; and the automatic choice of schedule.
@@ -188,7 +186,4 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
 
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 19
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_TRAINING_H_

@@ -2,14 +2,18 @@
 
 // Note [Header-only mode]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// mpipe's implementation lives in include/mpipe/detail/*-inl.h, in the way of
-// fmt's format-inl.h. By default (the target mpipe::mpipe) the translation
-// units in src/ compile those files once into libmpipe, and the public headers
-// never include them, so a program's own files parse only the declarations.
-// With MPIPE_HEADER_ONLY defined (the target mpipe::mpipe_header_only) the
-// first public mpipe header a file includes pulls every -inl.h file after its
-// own declarations (mpipe/detail/header_only.h), and the program links
-// LibTorch alone.
+// mpipe's implementation lives in include/mpipe/detail/<layer>/*-inl.h, in the
+// way of fmt's format-inl.h. By default (the target mpipe::mpipe) the files in
+// src/, one per subsystem, compile those files once into libmpipe, and the
+// public headers never include them, so a program's own files parse only the
+// declarations. One switch, MPIPE_HEADER_ONLY (the target
+// mpipe::mpipe_header_only), compiles them into the program's files instead,
+// and the program links LibTorch alone: each public header with an
+// implementation starts with mpipe/detail/header_only.h, which in that mode
+// pulls every declaration (mpipe/mpipe.h) and then every -inl.h file
+// (mpipe/detail/implementation.h), once per file. The public headers use
+// include guards, not #pragma once, so that this first header's own text,
+// already read through mpipe.h, is skipped when the pull returns to it.
 //
 // What that asks of the -inl.h files:
 // - every function defined outside a class is MPIPE_FUNC (inline in
@@ -17,12 +21,11 @@
 //   so that the thread-local scopes, the shared workers and streams, and the
 //   counters exist once in the program, whatever the number of files that
 //   include mpipe;
-// - no anonymous namespaces: a file's helpers live in a namespace named after
-//   it (executor_impl, rng_impl, ...), or they would be copied per file.
-//   Outside mpipe::detail, code names them qualified (or through a
-//   using-directive inside a function), so that header-only mode adds no
-//   names to mpipe's public namespaces;
-// - the fused CUDA kernels (src/snn/fused_neuron.cu) need nvcc and stay in the
+// - no anonymous namespaces: helpers live in mpipe::detail (or the detail
+//   namespace of mpipe::snn, mpipe::balance, mpipe::distributed), where one
+//   file's names meet every other file's: both modes compile several -inl.h
+//   files together, so a clash fails the build;
+// - the fused CUDA kernels (src/fused_neuron.cu) need nvcc and stay in the
 //   compiled library: in header-only mode neurons on CUDA tensors run their
 //   ATen path (Note [Fused neurons]); the CPU loop is header code.
 #ifdef MPIPE_HEADER_ONLY

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 20
-#endif
+#ifndef MPIPE_SNN_CONTAINERS_H_
+#define MPIPE_SNN_CONTAINERS_H_
 
 // Containers that let layers take multi-step input [T, N, ...] (StepMode::
 // Multi; SpikingJelly's SeqToANNContainer and MultiStepContainer):
@@ -115,7 +113,4 @@ TORCH_MODULE(MultiStep);
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 20
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_CONTAINERS_H_

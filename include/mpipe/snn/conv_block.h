@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 21
-#endif
+#ifndef MPIPE_SNN_CONV_BLOCK_H_
+#define MPIPE_SNN_CONV_BLOCK_H_
 
 // SpikingConvBlock: the conv -> BatchNorm -> neuron (-> max-pool) block of
 // SpikingJelly's convolutional SNN examples, in either step mode.
@@ -127,7 +125,4 @@ TORCH_MODULE(SpikingConvBlock);
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 21
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_CONV_BLOCK_H_

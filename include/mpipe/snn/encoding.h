@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 22
-#endif
+#ifndef MPIPE_SNN_ENCODING_H_
+#define MPIPE_SNN_ENCODING_H_
 
 // Encoding inputs as spikes and decoding spikes as rates (functions only:
 // this header does not pull torch::nn).
@@ -45,7 +43,4 @@ at::Tensor rate_mse_loss(const at::Tensor& rate, const at::Tensor& labels);
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 22
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_ENCODING_H_

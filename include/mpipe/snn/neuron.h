@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 23
-#endif
+#ifndef MPIPE_SNN_NEURON_H_
+#define MPIPE_SNN_NEURON_H_
 
 // Spiking neurons in SpikingJelly's conventions. Each step:
 //   charge  IF:  v = v + x
@@ -176,7 +174,4 @@ int64_t fused_cuda_kernel_launches() noexcept;
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 23
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_NEURON_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 24
-#endif
+#ifndef MPIPE_SNN_POISSON_ENCODER_H_
+#define MPIPE_SNN_POISSON_ENCODER_H_
 
 // snn::PoissonEncoder: poisson_encode (mpipe/snn/encoding.h) as a module.
 
@@ -26,7 +24,4 @@ TORCH_MODULE(PoissonEncoder);
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 24
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_POISSON_ENCODER_H_

@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 25
-#endif
+#ifndef MPIPE_SNN_STEP_MODE_H_
+#define MPIPE_SNN_STEP_MODE_H_
 
 // How an SNN layer takes time: one step per call, or a [T, N, ...] sequence
 // per call (SpikingJelly's step_mode 's' and 'm').
@@ -41,7 +39,4 @@ int64_t set_step_mode(torch::nn::Module& module, StepMode mode);
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 25
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_STEP_MODE_H_

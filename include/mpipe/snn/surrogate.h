@@ -1,9 +1,7 @@
-#pragma once
+#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
 
-// The outermost mpipe header of a file (Note [Header-only mode]).
-#ifndef MPIPE_DETAIL_OUTER
-#define MPIPE_DETAIL_OUTER 26
-#endif
+#ifndef MPIPE_SNN_SURROGATE_H_
+#define MPIPE_SNN_SURROGATE_H_
 
 // Surrogate gradients: the forward pass fires a spike (Heaviside step of
 // x = v - v_threshold), the backward pass uses the derivative of a smooth
@@ -49,7 +47,4 @@ class Surrogate {
 }  // namespace snn
 }  // namespace mpipe
 
-#if MPIPE_DETAIL_OUTER == 26
-#undef MPIPE_DETAIL_OUTER
-#include "mpipe/detail/header_only.h"
-#endif
+#endif  // MPIPE_SNN_SURROGATE_H_

@@ -3,7 +3,7 @@
 #include "mpipe/detail/config.h"
 
 #include "mpipe/snn/encoding.h"
-#include "mpipe/detail/device_probe.h"
+#include "mpipe/detail/cuda/device_probe.h"
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>

@@ -2,7 +2,7 @@
 
 #include "mpipe/detail/config.h"
 
-#include "fused_neuron.h"
+#include "mpipe/detail/snn/fused_neuron.h"
 
 #include "mpipe/snn/neuron.h"
 
@@ -14,7 +14,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #ifdef MPIPE_CUDA_KERNELS
-#include "fused_neuron_kernels.h"
+#include "mpipe/detail/snn/fused_neuron_kernels.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -68,7 +68,6 @@ MPIPE_FUNC bool fused_neuron_supported(const at::Tensor& x) {
 #endif
 }
 
-namespace fused_neuron_impl {
 
 #ifdef MPIPE_CUDA_KERNELS
 MPIPE_FUNC int kernel_dtype(at::ScalarType t) {
@@ -299,8 +298,6 @@ struct FusedNeuronFunction : torch::autograd::Function<Self> {
 struct FusedNeuronStep : FusedNeuronFunction<FusedNeuronStep, step_forward, step_backward> {};
 struct FusedNeuronSteps : FusedNeuronFunction<FusedNeuronSteps, steps_forward, steps_backward> {};
 
-}  // namespace fused_neuron_impl
-using namespace fused_neuron_impl;
 
 MPIPE_FUNC std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x,
                                                                const at::Tensor& v,

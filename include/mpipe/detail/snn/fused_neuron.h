@@ -2,7 +2,7 @@
 
 // Private: the fused neuron step as an autograd function (Note [Fused neurons]).
 
-#include "neuron_math.h"
+#include "mpipe/detail/snn/neuron_math.h"
 
 #include <ATen/core/Tensor.h>
 

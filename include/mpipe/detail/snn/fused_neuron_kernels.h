@@ -4,7 +4,7 @@
 // LibTorch types here: the .cu file compiles with nvcc and the CUDA runtime
 // alone. Each returns nullptr, or the CUDA error's text.
 
-#include "neuron_math.h"
+#include "mpipe/detail/snn/neuron_math.h"
 
 #include <cstdint>
 

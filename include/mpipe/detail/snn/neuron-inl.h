@@ -4,7 +4,7 @@
 
 #include "mpipe/snn/neuron.h"
 
-#include "fused_neuron.h"
+#include "mpipe/detail/snn/fused_neuron.h"
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -39,18 +39,18 @@ MPIPE_FUNC at::Tensor NeuronBase::forward(const at::Tensor& x) {
   return step_mode_ == StepMode::Multi ? multi_step(x) : single_step(x);
 }
 
-namespace neuron_impl {
+namespace detail {
 /// Half and bfloat16 inputs widened to float for a float membrane.
 MPIPE_FUNC bool widens(bool float_membrane, const at::Tensor& x) {
   return float_membrane && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
 }
-}  // namespace neuron_impl
+}  // namespace detail
 
 MPIPE_FUNC at::Tensor NeuronBase::single_step(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.defined(), "mpipe::snn::", name_, ": the input is undefined");
   TORCH_CHECK(at::isFloatingType(x_in.scalar_type()), "mpipe::snn::", name_,
               ": the input must be floating point, got ", x_in.scalar_type());
-  const bool widen = neuron_impl::widens(float_membrane_, x_in);
+  const bool widen = detail::widens(float_membrane_, x_in);
   const at::Tensor x = widen ? x_in.to(at::kFloat) : x_in;
   at::Tensor spike = step(x);
   return widen ? spike.to(x_in.scalar_type()) : spike;
@@ -63,7 +63,7 @@ MPIPE_FUNC at::Tensor NeuronBase::multi_step(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() >= 2, "mpipe::snn::", name_, ": a multi-step input is [T, N, ...], "
               "got shape ", x_in.sizes());
   if (x_in.size(0) == 0) return at::empty_like(x_in);
-  const bool widen = neuron_impl::widens(float_membrane_, x_in);
+  const bool widen = detail::widens(float_membrane_, x_in);
   const at::Tensor x = widen ? x_in.to(at::kFloat) : x_in;
   at::Tensor spikes = steps(x);
   return widen ? spikes.to(x_in.scalar_type()) : spikes;

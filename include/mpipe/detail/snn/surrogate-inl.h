@@ -15,7 +15,7 @@
 namespace mpipe {
 namespace snn {
 
-namespace surrogate_impl {
+namespace detail {
 
 constexpr double kPi = 3.14159265358979323846;
 
@@ -40,7 +40,7 @@ struct SpikeFunction : torch::autograd::Function<SpikeFunction> {
   }
 };
 
-}  // namespace surrogate_impl
+}  // namespace detail
 
 MPIPE_FUNC Surrogate::Surrogate(Kind kind, double alpha) : kind_(kind), alpha_(alpha) {
   TORCH_CHECK(alpha > 0 && std::isfinite(alpha),
@@ -48,12 +48,12 @@ MPIPE_FUNC Surrogate::Surrogate(Kind kind, double alpha) : kind_(kind), alpha_(a
 }
 
 MPIPE_FUNC at::Tensor Surrogate::operator()(const at::Tensor& x) const {
-  return surrogate_impl::SpikeFunction::apply(x, static_cast<int64_t>(kind_), alpha_);
+  return detail::SpikeFunction::apply(x, static_cast<int64_t>(kind_), alpha_);
 }
 
 MPIPE_FUNC at::Tensor Surrogate::smooth(const at::Tensor& x) const {
   if (kind_ == Kind::Sigmoid) return at::sigmoid(x * alpha_);
-  return at::atan(x * (surrogate_impl::kPi / 2 * alpha_)) / surrogate_impl::kPi + 0.5;
+  return at::atan(x * (detail::kPi / 2 * alpha_)) / detail::kPi + 0.5;
 }
 
 MPIPE_FUNC at::Tensor Surrogate::derivative(const at::Tensor& x) const {
@@ -61,7 +61,7 @@ MPIPE_FUNC at::Tensor Surrogate::derivative(const at::Tensor& x) const {
     const at::Tensor s = at::sigmoid(x * alpha_);
     return s * (1 - s) * alpha_;
   }
-  const at::Tensor u = x * (surrogate_impl::kPi / 2 * alpha_);
+  const at::Tensor u = x * (detail::kPi / 2 * alpha_);
   return (alpha_ / 2) / (u * u + 1);
 }
 

@@ -1,0 +1,78 @@
+#pragma once
+
+// Private: CUDA-graph capture and replay of whole pipeline calls (Note [CUDA
+// graphs]). Compiled only against a CUDA build of LibTorch; with a CPU-only
+// LibTorch, make_graph_cache() returns null and nothing is graphed.
+
+#include "mpipe/detail/precision/autocast.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/StringUtil.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+class GraphCache;
+
+/// What a captured graph is for: a call kind with its arguments and the
+/// shapes and dtypes it saw. Calls with equal keys replay one graph.
+struct GraphKey {
+  std::string method;
+  int64_t items = 0;       // split_size (forward, train_step) or T
+  bool reduce = false;     // constant_forward, sequence_forward
+  int64_t chunk = 0;       // their time chunk (0: single steps)
+  int schedule = -1;       // train_step: Schedule
+  int reduction = -1;      // train_step: LossReduction
+  std::vector<int64_t> input_sizes;
+  c10::ScalarType input_dtype = c10::ScalarType::Undefined;
+  std::vector<int64_t> target_sizes;
+  c10::ScalarType target_dtype = c10::ScalarType::Undefined;
+  bool training = false;   // the module's mode
+  std::string autocast = AutocastState::current().str();  // the caller's autocast state
+
+  std::string str() const {
+    return c10::str(method, "|", items, "|", reduce, "|", chunk, "|", schedule, "|", reduction, "|",
+                    c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
+                    c10::IntArrayRef(target_sizes), "|", target_dtype,
+                    training ? "|train" : "|eval", "|", autocast);
+  }
+};
+
+/// A cache of captured calls, or null when this build has no CUDA.
+std::shared_ptr<GraphCache> make_graph_cache();
+
+/// How many graphs `cache` holds.
+size_t graphs_held(const GraphCache& cache);
+
+/// Replays the graph captured for `key`, capturing it first (after one eager
+/// warm-up run) if there is none: copies `x` into the graph's static input,
+/// replays on the caller's current stream and returns a copy of the static
+/// output. `eager` runs the call on a given input; `reset` is called before
+/// the capture. Returns an undefined tensor when the cache is full.
+at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tensor& x,
+                       const std::function<at::Tensor(const at::Tensor&)>& eager,
+                       const std::function<void()>& reset);
+
+/// A training step (forward and backward) as a graph. The first time a key is
+/// seen, runs `step(inputs)` eagerly (the warm-up) and returns its loss.
+/// Returns an undefined tensor when the caller must run the step eagerly
+/// itself: the cache is full, capturing this key failed before, or an earlier
+/// autograd graph still holds a parameter. Otherwise captures `step` on the
+/// second sight of a key, then replays: `inputs` are copied into static
+/// copies, every parameter in `params` that requires grad accumulates into a
+/// static .grad (Note [Graphed training steps]), and a copy of the step's
+/// returned loss comes back. `reset` is called before the capture.
+at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
+                            const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& params,
+                            const std::function<at::Tensor(const std::vector<at::Tensor>&)>& step,
+                            const std::function<void()>& reset);
+
+}  // namespace detail
+}  // namespace mpipe

@@ -1,0 +1,204 @@
+#pragma once
+
+// Private: the one executor of per-stage programs that runs every pipeline
+// call (Note [One runtime]).
+
+#include "mpipe/checkpoint.h"
+#include "mpipe/schedule.h"
+#include "mpipe/tensors.h"
+
+#include "mpipe/detail/runtime/rng.h"
+#include "mpipe/detail/runtime/state_snapshot.h"
+#include "mpipe/detail/runtime/time_chunks.h"
+#include "mpipe/detail/runtime/transport.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+class Recorder;           // recorder.h
+class RemoteCall;         // remote.h
+
+// Note [One runtime]
+// ~~~~~~~~~~~~~~~~~~
+// Every call compiles to a CallSpec: a program per worker (schedule.h) of
+// actions F(i, s) (forward of item i on stage s), B(i, s) (its backward) or,
+// for zero-bubble schedules, I(i, s) and W(i, s) (the backward's input and
+// weight halves, Note [Split backward] in split_backward-inl.h), where items
+// are micro-batches or time steps (or chunks of them). Forward-type calls
+// (forward, constant_forward, sequence_forward) are programs of forwards only
+// (schedules::forward_only) over one autograd graph; training steps cut the
+// graph at stage boundaries (Note [Training runtime]): train_step's programs
+// come from its schedule, constant_train_step's are schedules::chained, whose
+// B(t, s) runs chunk t's part of stage s's graph (Note [Chained backward]).
+//
+// The executor runs the programs, threaded (program k on shared worker k) or
+// inline (the caller runs the actions in schedules::simulate's start order,
+// in which every input exists before it is needed). An action's inputs come
+// from the Transport (Note [Transport]): activations from the previous stage,
+// gradients from the next, skip tensors from their stasher (Note [Skip
+// connections]); the call's inputs enter stage 0 from the caller. So this
+// file has the one failure path (the first error is kept, the transport is
+// aborted so no stage waits, the caller rethrows it naming the stage, its
+// device, the item and the phase), the one place that records timeline tasks
+// (forward, recompute, backward and its halves here, copies in the
+// transport), and moves no data itself.
+//
+// Around every stage call the executor sets: the stage's compute stream, the
+// item as MicroBatch (micro-batched calls) or micro-batch 0 of 1 (time
+// steps), the random draws of (stage, item) (Note [Random draws]) and the
+// call's skip scope.
+
+struct CallSpec {
+  const char* method = "";     // for messages: "forward", "train_step", ...
+  const char* item_name = "";  // "micro-batch", "time step"
+  int64_t n_items = 0;
+  /// Time chunks (Note [Time chunks]): how items map to time steps, for messages.
+  TimeChunks time_chunks;
+  /// One per worker ("rank"); each operation names its stage. Forwards only
+  /// unless `training`.
+  std::vector<schedules::Program> programs;
+  /// Micro-batches of one batch: stage calls run under MicroBatchGuard{i, n}.
+  bool micro_batched = false;
+  /// Stage 0's inputs for item i, on the caller's devices. `same_input`: the
+  /// same tensors for every item, so stage 0 receives them once.
+  std::function<Tensors(int64_t)> source;
+  bool same_input = false;
+  /// The caller's tensors (inputs, targets): the call starts after the
+  /// caller's work on their devices.
+  Tensors caller_tensors;
+
+  // Forward-type calls.
+  /// Takes the last stage's outputs of item i, on its stream, in item order.
+  std::function<void(int64_t, Tensors)> sink;
+
+  // Training steps (Note [Training runtime]).
+  bool training = false;
+  const char* schedule = "";  // its name, for the timeline
+  /// Time chunks chained by state (constant_train_step): stage 0 takes the
+  /// caller's tensors as they are, the last stage gives its outputs to `sink`
+  /// and, after the last item, backpropagates `chain_loss()`; each B(i, s)
+  /// runs its chunk's nodes only (Note [Chained backward] in chunk_chain.h).
+  bool chained = false;
+  std::function<at::Tensor()> chain_loss;
+  /// Item i's targets, on the caller's devices.
+  std::function<Tensors(int64_t)> target;
+  /// The weighted loss of item i from the last stage's outputs and the targets
+  /// (runs on the last stage, its stream current).
+  std::function<at::Tensor(int64_t, const Tensors&, const Tensors&)> loss;
+  Checkpoint checkpoint = Checkpoint::Never;
+  /// Each stage's Stateful modules (Note [State snapshots]).
+  const std::vector<std::vector<StatefulModule>>* stateful = nullptr;
+  /// Which of stage 0's inputs need gradients (by position).
+  std::vector<bool> input_requires_grad;
+  /// mpipe::Linear sums its cast weight's gradients per stage and step (Note
+  /// [Cast gradients per step]).
+  bool accumulate_cast_grads = false;
+  /// Results: the gradients of stage 0's inputs per item ([item][input]), and
+  /// each item's loss, detached.
+  std::vector<Tensors> input_grads;
+  std::vector<at::Tensor> losses;
+
+  /// Forward calls: stage j (local index) spreads its items over `lanes`
+  /// streams when `lane_stages[j]` (Note [Lanes]).
+  int64_t lanes = 1;
+  std::vector<bool> lane_stages;
+  /// Records every task when the timeline is on (Note [Timeline]); else null.
+  Recorder* recorder = nullptr;
+
+  /// A call across processes (Note [Cross-process calls]): programs name
+  /// global stages, and this process runs the operations of its own.
+  RemoteCall* remote = nullptr;
+};
+
+/// A thread that runs queued tasks in order. Workers are shared by every
+/// pipeline of the process (Note [Shared streams and workers]).
+class Worker {
+ public:
+  Worker();
+  ~Worker();
+  void push(std::function<void()> fn);
+
+ private:
+  void loop();
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members above exist
+};
+
+class Executor {
+ public:
+  Executor();
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  /// Prepares streams for a stage appended on `device`.
+  void add_stage(c10::Device device);
+  /// Across processes: this process's stages are global stages [first, first
+  /// + count) of `n_total`; `rank_note` (", rank 1") goes into error messages.
+  void set_layout(int64_t first, int64_t n_total, std::string rank_note);
+  int64_t first_stage() const { return first_; }
+  int64_t n_total() const {
+    return n_total_ > 0 ? n_total_ : static_cast<int64_t>(stages_.size());
+  }
+  const std::vector<StagePlace>& stages() const { return stages_; }
+  /// Stage `stage`'s compute stream (none for CPU stages).
+  c10::optional<c10::Stream> compute_stream(size_t stage) const { return stages_[stage].compute; }
+
+  /// Runs `call` through `forwards` (one per stage). Throws c10::Error naming
+  /// the stage, its device, the item and the phase.
+  void run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded);
+
+  /// The caller's current stream on every stage device waits for every stage
+  /// stream there, so the caller sees all of the call's work (also that of a
+  /// backward pass the caller ran through the stages).
+  void join() const;
+
+ private:
+  struct Run;
+
+  /// Every stage stream waits for the caller's current stream on its device.
+  void fork() const;
+  void forward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
+  /// B(item) (full backward) or, with `split`, I(item): the gradients of the
+  /// stage's inputs only, keeping the graph for weight_action.
+  void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
+  /// W(item): the gradients of the stage's weights from the graph I kept.
+  void weight_action(Run& run, int64_t stage, int64_t item);
+  /// Runs one action, catching its failure; false when the call has failed
+  /// (here or elsewhere) and the stage must stop.
+  bool run_action(Run& run, const schedules::Op& op);
+  void run_program(Run& run, const schedules::Program& program);
+  /// Inside a catch block: the current exception as a c10::Error naming the
+  /// call, the stage, its device, the phase and the item.
+  std::exception_ptr describe_failure(const CallSpec& call, const char* phase, int64_t stage,
+                                      int64_t item) const;
+
+  const StagePlace& place(int64_t stage) const { return stages_[local(stage)]; }
+  /// The stream stage `stage` computes item `item` of `call` on: a lane, or
+  /// its compute stream (Note [Lanes]).
+  c10::optional<c10::Stream> stream_for(const CallSpec& call, int64_t stage, int64_t item) const;
+  /// Makes `k` - 1 lane streams for every CUDA stage (Note [Lanes]).
+  void ensure_lanes(int64_t k);
+  size_t local(int64_t stage) const { return static_cast<size_t>(stage - first_); }
+
+  std::vector<StagePlace> stages_;
+  int64_t first_ = 0;
+  int64_t n_total_ = 0;  // 0: the local stages are all
+  std::string rank_;
+};
+
+}  // namespace detail
+}  // namespace mpipe

@@ -1,0 +1,10 @@
+// The pipeline (ModelPipeline and its calls) subsystem of libmpipe: its -inl.h files compiled once
+// (Note [Header-only mode] in mpipe/detail/config.h).
+#include "mpipe/detail/pipeline/balance-inl.h"
+#include "mpipe/detail/pipeline/batchnorm-inl.h"
+#include "mpipe/detail/pipeline/calls-inl.h"
+#include "mpipe/detail/pipeline/device-inl.h"
+#include "mpipe/detail/pipeline/memory-inl.h"
+#include "mpipe/detail/pipeline/model_pipeline-inl.h"
+#include "mpipe/detail/pipeline/timeline-inl.h"
+#include "mpipe/detail/pipeline/train_steps-inl.h"
