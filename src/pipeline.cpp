@@ -2,6 +2,7 @@
 // (Note [Header-only mode] in mpipe/detail/config.h).
 #include "mpipe/detail/pipeline/balance-inl.h"
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
+#include "mpipe/detail/pipeline/session-inl.h"
 #include "mpipe/detail/pipeline/calls-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"

@@ -8,4 +8,6 @@
 #include "mpipe/detail/runtime/streams-inl.h"
 #include "mpipe/detail/runtime/time_chunks-inl.h"
 #include "mpipe/detail/runtime/transport-inl.h"
+#include "mpipe/detail/runtime/workers-inl.h"
+#include "mpipe/detail/runtime/actions-inl.h"
 #include "mpipe/detail/runtime/executor-inl.h"

@@ -12,10 +12,13 @@
 #include "mpipe/detail/runtime/streams-inl.h"
 #include "mpipe/detail/runtime/time_chunks-inl.h"
 #include "mpipe/detail/runtime/transport-inl.h"
+#include "mpipe/detail/runtime/workers-inl.h"
+#include "mpipe/detail/runtime/actions-inl.h"
 #include "mpipe/detail/runtime/executor-inl.h"
 
 #include "mpipe/detail/pipeline/balance-inl.h"
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
+#include "mpipe/detail/pipeline/session-inl.h"
 #include "mpipe/detail/pipeline/calls-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"

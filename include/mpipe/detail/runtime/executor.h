@@ -137,6 +137,13 @@ class Worker {
   std::thread thread_;  // last: starts after the members above exist
 };
 
+/// Shared worker k (started at first use, never destroyed), the lock under
+/// which a call queues its programs, and whether this thread is a worker
+/// (Note [Shared streams and workers] in workers-inl.h).
+Worker& shared_worker(size_t k);
+std::mutex& queue_mutex();
+bool on_shared_worker();
+
 class Executor {
  public:
   Executor();

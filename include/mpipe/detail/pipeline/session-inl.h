@@ -1,0 +1,146 @@
+#pragma once
+
+#include "mpipe/detail/config.h"
+
+// What every call kind of a pipeline uses around the executor (its session):
+// the layout and agreement across processes, the executor run with the
+// timeline recorded, the CUDA-graph dispatch, and the memory watch. The call
+// prologue itself (lock, memory watch, rollback) is State::guarded, and a
+// call across processes State::across (pipeline_state.h).
+
+#include "mpipe/detail/pipeline/pipeline_state.h"
+
+#include "mpipe/detail/distributed/group.h"
+#include "mpipe/detail/cuda/device_probe.h"
+#include "mpipe/detail/runtime/streams.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+namespace mpipe {
+
+using detail::CallSpec;
+using detail::GraphKey;
+
+MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
+    : self(owner),
+      stages(owner.register_module("stages", torch::nn::ModuleList())),
+      graphs(detail::make_graph_cache()) {}
+
+MPIPE_FUNC std::string ModelPipelineImpl::State::connect(const char* method) {
+  const auto& group = self.options.process_group();
+  const auto n_local = static_cast<int64_t>(devices.size());
+  if (connected_stages == n_local) return {};
+  if (connected_stages >= 0) {  // told to every rank through the call (across())
+    return c10::str("mpipe::ModelPipeline::", method, ": rank ", group.rank(), " appended ",
+                    n_local - connected_stages, " stage(s) after the pipeline's first call across "
+                    "processes (it held ", connected_stages, ", now ", n_local,
+                    "); append every stage before the first call");
+  }
+  // Every rank takes part, one with no stage too, so that all of them hear
+  // which rank is wrong instead of waiting for it.
+  if (pipeline_id < 0) pipeline_id = detail::next_pipeline_id(group);
+  const auto counts = detail::exchange_stage_counts(group, pipeline_id, n_local);
+  detail::Layout l;
+  int64_t first = 0;
+  std::string empty;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    if (counts[p] <= 0) {
+      empty += c10::str(empty.empty() ? "" : ", ", "rank ",
+                        detail::group_impl(group)->world_rank(static_cast<int64_t>(p)),
+                        " (pipeline rank ", p, ")");
+    }
+    l.first.push_back(first);
+    first += counts[p];
+  }
+  TORCH_CHECK(empty.empty(), "mpipe::ModelPipeline::", method, ": ", empty,
+              " holds no stage; every rank appends its stages (ProcessGroup::stage_range) "
+              "before the first call");
+  l.n_stages = first;
+  layout = l;
+  executor.set_layout(l.first[static_cast<size_t>(group.pipeline_rank())], l.n_stages,
+                      c10::str(", rank ", group.rank()));
+  connected_stages = n_local;
+  return {};
+}
+
+MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::agree(
+    detail::RemoteCall& call, const char* method, const std::function<detail::CallInfo()>& make) {
+  if (!call.first()) return call.await_call(method);
+  detail::CallInfo info = make();
+  info.method = detail::method_code(method);
+  call.announce(info);
+  return info;
+}
+
+MPIPE_FUNC void ModelPipelineImpl::State::execute(CallSpec& spec, bool threaded) {
+  std::shared_ptr<detail::Recorder> recorder;
+  if (self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
+    recorder = start_recording(
+        spec.method, spec.item_name, spec.n_items,
+        spec.training ? schedules::bubble(spec.programs)
+                      : schedules::fill_drain_bubble(spec.n_items,
+                                                     static_cast<int64_t>(devices.size())));
+    if (spec.training) recorder->describe_schedule(spec.schedule, schedules::stage_ranks(spec.programs));
+  }
+  spec.recorder = recorder.get();
+  executor.run(spec, forwards, threaded);
+  if (recorder) pending_timeline = recorder;
+}
+
+MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
+  if (!self.options.cuda_graphs() || !graphs || c10::GradMode::is_enabled() || !x.is_cuda() ||
+      self.options.record_timeline()) {
+    return false;  // a replay has no tasks to record (Note [Timeline])
+  }
+  for (const auto& d : devices) {
+    if (d != x.device()) return false;  // one device per graph (at::cuda::CUDAGraph)
+  }
+  for (const auto& stage : stateful) {
+    for (const auto& m : stage) {
+      if (m.state->holds_state()) return false;
+    }
+  }
+  return true;
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
+    const GraphKey& key, const at::Tensor& x,
+    const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
+  detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+  at::Tensor out = detail::run_graphed(
+      *graphs, key.str(), x, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
+      [this] { reset_states(self); });
+  if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
+  return out;  // undefined: the cache is full, run eagerly
+}
+
+MPIPE_FUNC void ModelPipelineImpl::State::drop_graphs() {
+  if (graphs) graphs = detail::make_graph_cache();
+}
+
+MPIPE_FUNC std::shared_ptr<detail::Recorder> ModelPipelineImpl::State::start_recording(
+    const char* method, const char* item_name, int64_t n_items, double bubble) const {
+  return std::make_shared<detail::Recorder>(method, item_name, n_items, devices, bubble);
+}
+
+MPIPE_FUNC void ModelPipelineImpl::State::begin_memory_watch() {
+  if (!self.options.track_memory()) return;
+  memory_counters.clear();
+  for (const auto& d : devices) {
+    bool seen = false;
+    for (const auto& c : memory_counters) seen |= c.device == d;
+    if (!d.is_cuda() || seen) continue;
+    detail::reset_allocator_peak(d);
+    memory_counters.push_back({d, detail::allocator_counters(d).allocated, -1});
+  }
+}
+
+MPIPE_FUNC void ModelPipelineImpl::State::end_memory_watch(const char* method) {
+  if (!self.options.track_memory()) return;
+  for (auto& c : memory_counters) c.peak = detail::allocator_counters(c.device).peak;
+  memory_call = method;
+}
+
+}  // namespace mpipe
