@@ -2,10 +2,12 @@
 
 #include "mpipe/detail/config.h"
 
-// The forward-type calls: forward, constant_forward, sequence_forward (the
-// services every call kind uses are in session-inl.h).
+// The forward-type calls, forward, constant_forward and sequence_forward:
+// their kinds and their plans (Note [Plan, then run] in session-inl.h), and
+// constant_train_step's plan, which is constant_forward's with a loss.
 
 #include "mpipe/detail/pipeline/pipeline_state.h"
+#include "mpipe/detail/pipeline/step_parts-inl.h"
 
 #include "mpipe/detail/distributed/group.h"
 #include "mpipe/detail/cuda/device_probe.h"
@@ -24,47 +26,54 @@
 namespace mpipe {
 
 using detail::CallSpec;
-using detail::GraphKey;
 
 namespace detail {
-
-MPIPE_FUNC GraphKey key_of(const char* method, int64_t items, bool reduce, const at::Tensor& x,
-                           bool training, int64_t chunk = 0) {
-  GraphKey key;
-  key.method = method;
-  key.items = items;
-  key.chunk = chunk;
-  key.reduce = reduce;
-  key.input_sizes = x.sizes().vec();
-  key.input_dtype = x.scalar_type();
-  key.training = training;
-  return key;
-}
-
 /// Results handed to the caller: usable on its current streams.
 MPIPE_FUNC Tensors for_caller(Tensors out) {
   for (const auto& t : out) detail::record_on_current(t);
   return out;
 }
-
 }  // namespace detail
 
-MPIPE_FUNC Tensors ModelPipelineImpl::State::forward_items(const std::vector<Input>& in,
-                                                           int64_t rows, int64_t batch,
-                                                           bool threaded,
-                                                           detail::RemoteCall* remote) {
+// forward ------------------------------------------------------------------
+
+MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs,
+                                                     int64_t split_size, bool graphable_call) {
+  CallKind kind;
+  kind.method = "forward";
+  kind.graphable = graphable_call;
+  kind.describe = [&] {
+    detail::CallInfo c;
+    c.batch = detail::split_batch("forward", inputs);
+    detail::check_split("forward", split_size);
+    c.rows = split_size;
+    c.n_items = (c.batch - 1) / split_size + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    return c;
+  };
+  kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,
+                  detail::RemoteCall* remote) { return plan_forward(info, in, remote); };
+  return run_call(kind, inputs);
+}
+
+MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward(
+    const detail::CallInfo& info, const std::vector<Input>& inputs,
+    detail::RemoteCall* remote) {
   const int64_t n_stages = executor.n_total();
-  CallSpec spec;
+  Plan plan;
+  CallSpec& spec = plan.spec;
   spec.method = "forward";
   spec.item_name = "micro-batch";
-  spec.n_items = (batch - 1) / rows + 1;  // rows may be huge
+  spec.n_items = info.n_items;
   spec.micro_batched = true;
   spec.programs = schedules::forward_only(spec.n_items, n_stages);
-  spec.source = [&](int64_t i) { return detail::micro_batch(in, i, rows, batch); };
-  spec.caller_tensors = detail::tensors_of(in);
+  auto in = std::make_shared<const std::vector<Input>>(inputs);
+  spec.source = [in, rows = info.rows, batch = info.batch](int64_t i) {
+    return detail::micro_batch(*in, i, rows, batch);
+  };
+  spec.caller_tensors = detail::tensors_of(inputs);
   spec.remote = remote;
-  std::vector<Tensors> outs(static_cast<size_t>(spec.n_items));
-  spec.sink = [&](int64_t i, Tensors o) { outs[static_cast<size_t>(i)] = std::move(o); };
+  auto outs = std::make_shared<std::vector<Tensors>>(static_cast<size_t>(spec.n_items));
+  spec.sink = [outs](int64_t i, Tensors o) { (*outs)[static_cast<size_t>(i)] = std::move(o); };
   const int64_t lanes = self.options.lanes();
   TORCH_CHECK(lanes >= 1, "mpipe::ModelPipeline::forward: ModelPipelineOptions::lanes must be at "
               "least 1, got ", lanes);
@@ -74,47 +83,15 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward_items(const std::vector<Inp
       spec.lane_stages.push_back(stateful[j].empty() && stages[j]->buffers().empty());
     }
   }
-  execute(spec, threaded);
-  if (remote && !remote->last()) return {};
-  return detail::for_caller(
-      detail::gather("forward", "micro-batch", n_stages - 1, outs, false, true));
+  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+    if (remote && !remote->last()) return {};
+    return detail::for_caller(
+        detail::gather("forward", "micro-batch", n_stages - 1, *outs, false, true));
+  };
+  return plan;
 }
 
-MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs,
-                                                     int64_t split_size, bool graphable_call) {
-  if (distributed()) {
-    return guarded("forward", [&] {
-      return across("forward", [&](detail::RemoteCall& call) {
-        const auto info = agree(call, "forward", [&] {
-          detail::CallInfo c;
-          c.batch = detail::split_batch("forward", inputs);
-          detail::check_split("forward", split_size);
-          c.rows = split_size;
-          c.n_items = (c.batch - 1) / split_size + 1;
-          return c;
-        });
-        return forward_items(call.first() ? inputs : std::vector<Input>{}, info.rows, info.batch,
-                             self.options.worker_threads(), &call);
-      });
-    });
-  }
-  const int64_t batch = detail::split_batch("forward", inputs);
-  detail::check_split("forward", split_size);
-  auto eager = [&](const std::vector<Input>& in, bool threaded) {
-    return forward_items(in, split_size, batch, threaded, nullptr);
-  };
-  return guarded("forward", [&]() -> Tensors {
-    if (graphable_call && graphable(inputs[0].tensor)) {
-      at::Tensor out = graphed_or_eager(
-          detail::key_of("forward", split_size, false, inputs[0].tensor, self.is_training()),
-          inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-            return detail::one_output("forward", eager({x}, threaded));
-          });
-      if (out.defined()) return {out};
-    }
-    return eager(inputs, self.options.worker_threads());
-  });
-}
+// constant_forward (and constant_train_step's plan) -------------------------
 
 // Note [Time chunks]
 // ~~~~~~~~~~~~~~~~~~
@@ -156,57 +133,6 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_
   return std::max<int64_t>(1, (T + 4 * n_devices - 1) / (4 * n_devices));
 }
 
-MPIPE_FUNC Tensors ModelPipelineImpl::State::run_constant(const char* method, const Tensors& in,
-                                                          int64_t T, bool reduce, int64_t chunk,
-                                                          bool threaded,
-                                                          detail::RemoteCall* remote,
-                                                          const std::vector<bool>& batched,
-                                                          const std::function<at::Tensor(const Tensors&)>& loss,
-                                                          const at::Tensor& target) {
-  const int64_t n_stages = executor.n_total();
-  const detail::TimeChunks chunks{T, chunk};
-  CallSpec spec;
-  spec.method = method;
-  spec.item_name = chunks.multi() ? "time chunk" : "time step";
-  spec.n_items = chunks.count();
-  spec.time_chunks = chunks;
-  spec.remote = remote;
-  spec.programs = loss ? schedules::chained(spec.n_items, n_stages)
-                       : schedules::forward_only(spec.n_items, n_stages);
-  std::vector<Input> inputs;
-  for (size_t k = 0; k < in.size(); ++k) {
-    inputs.push_back(k < batched.size() && !batched[k] ? unbatched(in[k]) : Input(in[k]));
-  }
-  if (chunks.multi()) {
-    // Every chunk is the same view unless the last is shorter.
-    spec.same_input = T % chunk == 0 || spec.n_items == 1;
-    spec.source = [&](int64_t i) { return detail::repeated_chunk(inputs, chunks, i); };
-  } else {
-    spec.same_input = true;
-    spec.source = [&](int64_t) { return in; };
-  }
-  spec.caller_tensors = in;
-  detail::TimeStepOutputs outs(T, reduce, chunks);
-  spec.sink = [&](int64_t i, Tensors o) {
-    if (chunks.multi()) {
-      outs.add_chunk(method, n_stages - 1, i, std::move(o));
-    } else {
-      outs.add(i, std::move(o));
-    }
-  };
-  if (loss) {
-    spec.training = spec.chained = true;
-    if (target.defined()) spec.caller_tensors.push_back(target);
-    spec.chain_loss = [&] {  // on the last stage, its stream current
-      return loss(detail::for_caller(outs.results(method, n_stages - 1, /*stack=*/false)));
-    };
-  }
-  execute(spec, threaded);
-  if (remote && !remote->last()) return {};
-  if (loss) return {spec.losses.back()};
-  return detail::for_caller(outs.results(method, n_stages - 1, /*stack=*/false));
-}
-
 MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
     const char* method, const std::vector<Input>& inputs, int64_t T, int64_t chunk) const {
   detail::batch_size(method, inputs, 0);
@@ -221,72 +147,80 @@ MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
 MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs,
                                                               int64_t T, bool reduce, int64_t chunk,
                                                               bool graphable_call) {
-  std::vector<bool> batched;
-  for (const auto& in : inputs) batched.push_back(in.batched);
-  if (distributed()) {
-    return guarded("constant_forward", [&] {
-      return across("constant_forward", [&](detail::RemoteCall& call) {
-        const auto info = agree(call, "constant_forward", [&] {
-          detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk);
-          c.reduce = reduce;
-          return c;
-        });
-        return run_constant("constant_forward",
-                            call.first() ? detail::tensors_of(inputs) : Tensors{}, info.n_items,
-                            info.reduce != 0, info.chunk, self.options.worker_threads(), &call,
-                            batched);
-      });
-    });
-  }
-  detail::batch_size("constant_forward", inputs, 0);
-  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::constant_forward: T (the number of time steps) "
-              "must be positive, got ", T);
-  const Tensors in = detail::tensors_of(inputs);
-  chunk = resolve_chunk(chunk, T);
-  return guarded("constant_forward", [&]() -> Tensors {
-    if (graphable_call && graphable(in[0])) {
-      at::Tensor out = graphed_or_eager(
-          detail::key_of("constant_forward", T, reduce, in[0], self.is_training(), chunk),
-          in[0], [&](const at::Tensor& x, bool threaded) {
-            return detail::one_output("constant_forward",
-                          run_constant("constant_forward", {x}, T, reduce, chunk, threaded));
-          });
-      if (out.defined()) return {out};
-    }
-    return run_constant("constant_forward", in, T, reduce, chunk, self.options.worker_threads(),
-                        nullptr, batched);
-  });
+  CallKind kind;
+  kind.method = "constant_forward";
+  kind.graphable = graphable_call;
+  kind.describe = [&] {
+    detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk);
+    c.reduce = reduce;
+    return c;
+  };
+  kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,
+                  detail::RemoteCall* remote) {
+    return plan_constant("constant_forward", info, in, remote);
+  };
+  return run_call(kind, inputs);
 }
 
-MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_items(const std::vector<Input>& in, int64_t T,
-                                                            bool reduce, int64_t chunk,
-                                                            bool threaded,
-                                                            detail::RemoteCall* remote) {
+MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constant(
+    const char* method, const detail::CallInfo& info, const std::vector<Input>& inputs,
+    detail::RemoteCall* remote, const LossFunction& loss_fn, const at::Tensor& target) {
   const int64_t n_stages = executor.n_total();
-  const detail::TimeChunks chunks{T, chunk};  // Note [Time chunks]
-  CallSpec spec;
-  spec.method = "sequence_forward";
+  const detail::TimeChunks chunks{info.n_items, info.chunk};  // Note [Time chunks]
+  Plan plan;
+  CallSpec& spec = plan.spec;
+  spec.method = method;
   spec.item_name = chunks.multi() ? "time chunk" : "time step";
   spec.n_items = chunks.count();
   spec.time_chunks = chunks;
   spec.remote = remote;
-  spec.programs = schedules::forward_only(spec.n_items, n_stages);
-  spec.source = [&](int64_t i) {
-    return chunks.multi() ? detail::sequence_chunk(in, chunks, i) : detail::time_step(in, i);
-  };
-  spec.caller_tensors = detail::tensors_of(in);
-  detail::TimeStepOutputs outs(T, reduce, chunks);
-  spec.sink = [&](int64_t i, Tensors o) {
-    if (chunks.multi()) {
-      outs.add_chunk("sequence_forward", n_stages - 1, i, std::move(o));
+  spec.programs = loss_fn ? schedules::chained(spec.n_items, n_stages)
+                          : schedules::forward_only(spec.n_items, n_stages);
+  auto in = std::make_shared<const std::vector<Input>>(inputs);
+  const Tensors tensors = detail::tensors_of(inputs);
+  if (chunks.multi()) {
+    // Every chunk is the same view unless the last is shorter.
+    spec.same_input = info.n_items % info.chunk == 0 || spec.n_items == 1;
+    spec.source = [in, chunks](int64_t i) { return detail::repeated_chunk(*in, chunks, i); };
+  } else {
+    spec.same_input = true;
+    spec.source = [tensors](int64_t) { return tensors; };
+  }
+  spec.caller_tensors = tensors;
+  auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0 || loss_fn,
+                                                        chunks);
+  spec.sink = [outs, method, n_stages, multi = chunks.multi()](int64_t i, Tensors o) {
+    if (multi) {
+      outs->add_chunk(method, n_stages - 1, i, std::move(o));
     } else {
-      outs.add(i, std::move(o));
+      outs->add(i, std::move(o));
     }
   };
-  execute(spec, threaded);
-  if (remote && !remote->last()) return {};
-  return detail::for_caller(outs.results("sequence_forward", n_stages - 1, /*stack=*/true));
+  if (!loss_fn) {
+    plan.results = [outs, remote, method, n_stages](const CallSpec&) -> Tensors {
+      if (remote && !remote->last()) return {};
+      return detail::for_caller(outs->results(method, n_stages - 1, /*stack=*/false));
+    };
+    return plan;
+  }
+  // constant_train_step: the loss of the summed outputs, then backward chunk
+  // by chunk (Note [Chained backward]).
+  spec.training = spec.chained = true;
+  if (target.defined()) spec.caller_tensors.push_back(target);
+  spec.chain_loss = [outs, method, n_stages, loss_fn, target] {  // on the last stage's stream
+    return detail::scalar_loss(loss_fn,
+                               detail::for_caller(outs->results(method, n_stages - 1, false)),
+                               target);
+  };
+  plan.results = [remote](const CallSpec& done) -> Tensors {
+    if (remote && !remote->last()) return {};
+    detail::record_on_current(done.losses.back());  // the caller's streams waited for the stages
+    return {done.losses.back()};
+  };
+  return plan;
 }
+
+// sequence_forward ----------------------------------------------------------
 
 namespace detail {
 /// sequence_forward's T, from its inputs (checked).
@@ -304,38 +238,52 @@ MPIPE_FUNC int64_t sequence_length(const std::vector<Input>& inputs) {
 MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs,
                                                               bool reduce, int64_t chunk,
                                                               bool graphable_call) {
-  if (distributed()) {
-    return guarded("sequence_forward", [&] {
-      return across("sequence_forward", [&](detail::RemoteCall& call) {
-        const auto info = agree(call, "sequence_forward", [&] {
-          detail::CallInfo c;
-          c.n_items = detail::sequence_length(inputs);
-          c.reduce = reduce;
-          c.chunk = resolve_chunk(chunk, c.n_items);
-          return c;
-        });
-        return sequence_items(call.first() ? inputs : std::vector<Input>{}, info.n_items,
-                              info.reduce != 0, info.chunk, self.options.worker_threads(), &call);
-      });
-    });
-  }
-  const int64_t T = detail::sequence_length(inputs);
-  chunk = resolve_chunk(chunk, T);
-  auto eager = [&](const std::vector<Input>& in, bool threaded) {
-    return sequence_items(in, T, reduce, chunk, threaded, nullptr);
+  CallKind kind;
+  kind.method = "sequence_forward";
+  kind.graphable = graphable_call;
+  kind.describe = [&] {
+    detail::CallInfo c;
+    c.n_items = detail::sequence_length(inputs);
+    c.reduce = reduce;
+    c.chunk = resolve_chunk(chunk, c.n_items);
+    return c;
   };
-  return guarded("sequence_forward", [&]() -> Tensors {
-    if (graphable_call && graphable(inputs[0].tensor)) {
-      at::Tensor out =
-          graphed_or_eager(detail::key_of("sequence_forward", 0, reduce, inputs[0].tensor,
-                                              self.is_training(), chunk),
-                           inputs[0].tensor, [&](const at::Tensor& x, bool threaded) {
-                             return detail::one_output("sequence_forward", eager({x}, threaded));
-                           });
-      if (out.defined()) return {out};
+  kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,
+                  detail::RemoteCall* remote) { return plan_sequence(info, in, remote); };
+  return run_call(kind, inputs);
+}
+
+MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_sequence(
+    const detail::CallInfo& info, const std::vector<Input>& inputs,
+    detail::RemoteCall* remote) {
+  const int64_t n_stages = executor.n_total();
+  const detail::TimeChunks chunks{info.n_items, info.chunk};  // Note [Time chunks]
+  Plan plan;
+  CallSpec& spec = plan.spec;
+  spec.method = "sequence_forward";
+  spec.item_name = chunks.multi() ? "time chunk" : "time step";
+  spec.n_items = chunks.count();
+  spec.time_chunks = chunks;
+  spec.remote = remote;
+  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  auto in = std::make_shared<const std::vector<Input>>(inputs);
+  spec.source = [in, chunks](int64_t i) {
+    return chunks.multi() ? detail::sequence_chunk(*in, chunks, i) : detail::time_step(*in, i);
+  };
+  spec.caller_tensors = detail::tensors_of(inputs);
+  auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0, chunks);
+  spec.sink = [outs, n_stages, multi = chunks.multi()](int64_t i, Tensors o) {
+    if (multi) {
+      outs->add_chunk("sequence_forward", n_stages - 1, i, std::move(o));
+    } else {
+      outs->add(i, std::move(o));
     }
-    return eager(inputs, self.options.worker_threads());
-  });
+  };
+  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+    if (remote && !remote->last()) return {};
+    return detail::for_caller(outs->results("sequence_forward", n_stages - 1, /*stack=*/true));
+  };
+  return plan;
 }
 
 }  // namespace mpipe

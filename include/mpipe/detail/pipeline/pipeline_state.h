@@ -1,18 +1,16 @@
 #pragma once
 
 // Private: what a ModelPipelineImpl holds besides its options, and the call
-// kinds written on it. Where things are:
-//   model_pipeline-inl.h  the facade: append, devices, to/load, reports
-//   calls-inl.h           forward, constant_forward, sequence_forward; the call
-//                       prologue (lock, memory watch, rollback) and the
-//                       choice between a CUDA graph and the executor
-//   train_steps-inl.h     train_step, constant_train_step
-//   scatter.h           inputs split into micro-batches or time steps, and
-//                       outputs gathered
-//   executor.h          the one executor of per-stage programs
-//   transport.h         how tensors move between stages
-//   skips.h, rng.h      skip connections, reproducible random draws
-//   graphs.h            CUDA-graph capture and replay
+// kinds written on it (Note [Plan, then run] in session-inl.h). Where things
+// are (include/mpipe/detail/):
+//   pipeline/model_pipeline-inl.h  the facade: append, devices, to/load, reports
+//   pipeline/session-inl.h    run_call: any call's checks, agreement across
+//                             processes, graph or executor, timeline, memory
+//   pipeline/calls-inl.h      forward, constant_forward, sequence_forward: their
+//                             kinds and plans
+//   pipeline/train_steps-inl.h  train_step, constant_train_step: the same
+//   runtime/                  the executor of per-stage programs and its parts
+//   distributed/, cuda/, precision/, snn/  the rest, by layer
 
 #include "mpipe/model_pipeline.h"
 
@@ -60,46 +58,91 @@ struct ModelPipelineImpl::State {
   std::string memory_call;
   std::vector<MemoryCounters> memory_counters;  // per CUDA stage device, last call
 
-  // calls-inl.h ---------------------------------------------------------------
-  /// The call prologue every call kind shares: the call lock, the memory
-  /// watch and the rollback of stateful modules on failure (Note [State
-  /// snapshots]). Runs `body` inside it.
+  // Note [Plan, then run] (session-inl.h) -----------------------------------
+  /// This rank's part of one call: the executor's spec and, after its run,
+  /// what the caller gets (nothing on a rank that has no result).
+  struct Plan {
+    detail::CallSpec spec;
+    std::function<Tensors(const detail::CallSpec&)> results;
+  };
+  /// A kind of call, as data: how to check and describe it, and its plan.
+  struct CallKind {
+    const char* method = "";
+    /// Checks the inputs and options and describes the call (across
+    /// processes: on the first rank, whose description every rank uses).
+    std::function<detail::CallInfo()> describe;
+    /// Checks every rank makes inside the call, given the description.
+    std::function<void(const detail::CallInfo&, detail::RemoteCall*)> check;
+    /// This rank's plan; `inputs` and `target` where this rank needs them
+    /// (across processes: the inputs on the first rank, the target on the last).
+    std::function<Plan(const detail::CallInfo&, const std::vector<Input>& inputs,
+                       const at::Tensor& target, detail::RemoteCall* remote)>
+        plan;
+    bool step = false;         // a training step: graphed through run_step
+    bool fresh_state = false;  // state reset before and after (constant_train_step)
+    bool graphable = false;    // may run as a CUDA graph (a single-tensor call)
+  };
+  /// The session: runs a call of `kind` in one process or across processes,
+  /// eagerly or from a CUDA graph, under the call prologue (guarded).
+  Tensors run_call(const CallKind& kind, const std::vector<Input>& inputs,
+                   const at::Tensor& target = {});
+  /// `plan` through the executor, its tasks recorded when
+  /// options.record_timeline; its results.
+  Tensors run_plan(Plan plan, bool threaded);
+  void execute(detail::CallSpec& spec, bool threaded);
+  /// The shared prologue of every call: the call lock, the memory watch and
+  /// the rollback of stateful modules on failure (Note [State snapshots]).
   template <typename F>
   auto guarded(const char* method, F&& body) -> decltype(body());
-  Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
-  /// `chunk`: steps per stage call with multi-step stages, 0 for single
-  /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
-  int64_t resolve_chunk(int64_t chunk, int64_t T) const;
-  /// The first rank's checks of a time-step call across processes, and the
-  /// CallInfo it announces (T steps in chunks of resolve_chunk(chunk, T)).
-  detail::CallInfo constant_call_info(const char* method, const std::vector<Input>& inputs,
-                                      int64_t T, int64_t chunk) const;
-  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
-                           int64_t chunk, bool graphable_call);
-  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,
-                           bool graphable_call);
-  /// `spec` through the executor, its tasks recorded when options.record_timeline.
-  void execute(detail::CallSpec& spec, bool threaded);
-  /// constant_forward's call: the outputs summed or concatenated time-major.
-  /// With `loss` (of the outputs and `target`), constant_train_step's: the
-  /// loss backpropagated chunk by chunk (Note [Chained backward]); returns
-  /// the loss, detached (on the last rank; nothing on the others).
-  /// `batched`: which inputs are repeated per step of a chunk (all if empty).
-  Tensors run_constant(const char* method, const Tensors& in, int64_t T, bool reduce,
-                       int64_t chunk, bool threaded, detail::RemoteCall* remote = nullptr,
-                       const std::vector<bool>& batched = {},
-                       const std::function<at::Tensor(const Tensors&)>& loss = {},
-                       const at::Tensor& target = {});
   /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
   bool graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
   at::Tensor graphed_or_eager(const detail::GraphKey& key, const at::Tensor& x,
                               const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
+  /// A training step: replayed from a CUDA graph when step_graphable, else
+  /// `eager(x, target, worker_threads)`.
+  at::Tensor run_step(const detail::GraphKey& key, const at::Tensor& x, const at::Tensor& target,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                     bool)>& eager);
+  bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
   void drop_graphs();
   std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,
                                                     int64_t n_items, double bubble) const;
   void begin_memory_watch();
   void end_memory_watch(const char* method);
+
+  // The call kinds: calls-inl.h, train_steps-inl.h ---------------------------
+  Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
+  Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
+                           int64_t chunk, bool graphable_call);
+  Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,
+                           bool graphable_call);
+  at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
+                        const LossFunction& loss_fn, const TrainStepOptions& step,
+                        bool graphable_call);
+  at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
+                                 const at::Tensor& target, const LossFunction& loss_fn,
+                                 int64_t chunk, bool graphable_call);
+  /// Their plans (pure: they build, nothing runs).
+  Plan plan_forward(const detail::CallInfo& info, const std::vector<Input>& inputs,
+                    detail::RemoteCall* remote);
+  /// constant_forward's, or with `loss_fn` constant_train_step's (the loss of
+  /// the summed outputs backpropagated chunk by chunk, Note [Chained backward]).
+  Plan plan_constant(const char* method, const detail::CallInfo& info,
+                     const std::vector<Input>& inputs, detail::RemoteCall* remote,
+                     const LossFunction& loss_fn = {}, const at::Tensor& target = {});
+  Plan plan_sequence(const detail::CallInfo& info, const std::vector<Input>& inputs,
+                     detail::RemoteCall* remote);
+  Plan plan_train_step(const detail::CallInfo& info, const std::vector<Input>& inputs,
+                       const at::Tensor& target, const LossFunction& loss_fn,
+                       const TrainStepOptions& step, detail::RemoteCall* remote);
+  /// `chunk`: steps per stage call with multi-step stages, 0 for single
+  /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
+  int64_t resolve_chunk(int64_t chunk, int64_t T) const;
+  /// The description of a call over T time steps of `inputs` (checked).
+  detail::CallInfo constant_call_info(const char* method, const std::vector<Input>& inputs,
+                                      int64_t T, int64_t chunk) const;
+  void check_checkpointable(const char* method) const;
 
   // Across processes (Note [Cross-process calls]) ---------------------------
   int64_t pipeline_id = -1;  // on the group, in construction (or first-call) order
@@ -119,34 +162,6 @@ struct ModelPipelineImpl::State {
   /// The first rank's `make()`, told to every rank.
   detail::CallInfo agree(detail::RemoteCall& call, const char* method,
                          const std::function<detail::CallInfo()>& make);
-  Tensors forward_items(const std::vector<Input>& in, int64_t rows, int64_t batch, bool threaded,
-                        detail::RemoteCall* remote);
-  Tensors sequence_items(const std::vector<Input>& in, int64_t T, bool reduce, int64_t chunk,
-                         bool threaded, detail::RemoteCall* remote);
-
-  // train_steps-inl.h ---------------------------------------------------------
-  at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
-                        const LossFunction& loss_fn, const TrainStepOptions& step,
-                        bool graphable_call);
-  at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
-                                 const at::Tensor& target, const LossFunction& loss_fn,
-                                 int64_t chunk, bool graphable_call);
-  bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
-  /// One train_step through the executor: `inputs` are the caller's (their
-  /// gradients are accumulated), `in` their detached copies, `y` the target
-  /// (each only where this rank needs it, across processes).
-  at::Tensor step_items(const std::vector<Input>& inputs, const std::vector<Input>& in,
-                        const at::Tensor& y, const LossFunction& loss_fn,
-                        const detail::CallInfo& info, bool threaded, detail::RemoteCall* remote,
-                        double loss_scale = 1.0,
-                        const std::vector<schedules::Program>* given = nullptr);
-  /// A training step: replayed from a CUDA graph when step_graphable (and
-  /// `graphable_call`), else `eager(x, target, worker_threads)`.
-  at::Tensor run_step(const detail::GraphKey& key, bool graphable_call, const at::Tensor& x,
-                      const at::Tensor& target,
-                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                     bool)>& eager);
-  void check_checkpointable(const char* method) const;
 };
 
 template <typename F>

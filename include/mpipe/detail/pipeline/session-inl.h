@@ -12,7 +12,11 @@
 
 #include "mpipe/detail/distributed/group.h"
 #include "mpipe/detail/cuda/device_probe.h"
+#include "mpipe/detail/runtime/rng.h"
+#include "mpipe/detail/runtime/scatter.h"
 #include "mpipe/detail/runtime/streams.h"
+
+#include "mpipe/state.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
@@ -27,6 +31,100 @@ MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
     : self(owner),
       stages(owner.register_module("stages", torch::nn::ModuleList())),
       graphs(detail::make_graph_cache()) {}
+
+// Note [Plan, then run]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Every call kind is data (CallKind): how to check and describe a call from
+// its inputs and options (describe: a CallInfo, the same on every rank
+// across processes), what every rank checks given that description (check),
+// and a plan (plan: the executor's CallSpec, with the items, the programs,
+// where inputs come from and outputs go, and how to hand results back). One
+// session, run_call, runs any kind: the call prologue (guarded), across
+// processes the first rank's description told to every rank, else a CUDA
+// graph's replay where the call allows one, and the plan through the
+// executor (run_plan: the timeline recorded around it). So a public method
+// checks its arguments and names its kind; the methods below it build the
+// kind, a few lines each (calls-inl.h, train_steps-inl.h).
+
+namespace detail {
+/// The key of a graphed call: what its capture depends on.
+MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::Tensor& x,
+                           const at::Tensor& target, bool training) {
+  GraphKey key;
+  key.method = method;
+  key.items = info.rows > 0 ? info.rows : info.n_items;
+  key.reduce = info.reduce != 0;
+  key.chunk = info.chunk;
+  if (std::string(method) == "train_step") {
+    key.schedule = static_cast<int>(info.schedule);
+    key.reduction = static_cast<int>(info.reduction);
+  }
+  key.input_sizes = x.sizes().vec();
+  key.input_dtype = x.scalar_type();
+  if (target.defined()) {
+    key.target_sizes = target.sizes().vec();
+    key.target_dtype = target.scalar_type();
+  }
+  key.training = training;
+  return key;
+}
+}  // namespace detail
+
+MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
+                                                      const std::vector<Input>& inputs,
+                                                      const at::Tensor& target) {
+  const bool threaded = self.options.worker_threads();
+  // State does not outlive a constant_train_step, whatever happens. The
+  // rollback (guarded) is set up before, so a failed step ends with the state
+  // of its start, not reset (Note [State snapshots]).
+  struct FreshState {
+    torch::nn::Module& m;
+    bool on;
+    FreshState(torch::nn::Module& module, bool fresh) : m(module), on(fresh) {
+      if (on) reset_states(m);
+    }
+    ~FreshState() {
+      if (on) reset_states(m);
+    }
+  };
+  if (distributed()) {
+    return guarded(kind.method, [&] {
+      FreshState fresh(self, kind.fresh_state);
+      return across(kind.method, [&](detail::RemoteCall& call) {
+        const detail::CallInfo info = agree(call, kind.method, kind.describe);
+        if (kind.check) kind.check(info, &call);
+        const std::vector<Input> none;
+        return run_plan(kind.plan(info, call.first() ? inputs : none,
+                                  call.last() ? target : at::Tensor(), &call),
+                        threaded);
+      });
+    });
+  }
+  const detail::CallInfo info = kind.describe();
+  return guarded(kind.method, [&]() -> Tensors {
+    FreshState fresh(self, kind.fresh_state);
+    if (kind.check) kind.check(info, nullptr);
+    if (kind.graphable && inputs.size() == 1) {
+      const at::Tensor& x = inputs[0].tensor;
+      const GraphKey key = detail::key_of(kind.method, info, x, target, self.is_training());
+      auto eager = [&](const at::Tensor& xg, const at::Tensor& yg, bool th) {
+        return detail::one_output(kind.method, run_plan(kind.plan(info, {Input(xg)}, yg, nullptr), th));
+      };
+      if (kind.step) return {run_step(key, x, target, eager)};
+      if (graphable(x)) {
+        at::Tensor out = graphed_or_eager(
+            key, x, [&](const at::Tensor& xg, bool th) { return eager(xg, at::Tensor(), th); });
+        if (out.defined()) return {out};
+      }
+    }
+    return run_plan(kind.plan(info, inputs, target, nullptr), threaded);
+  });
+}
+
+MPIPE_FUNC Tensors ModelPipelineImpl::State::run_plan(Plan plan, bool threaded) {
+  execute(plan.spec, threaded);
+  return plan.results(plan.spec);
+}
 
 MPIPE_FUNC std::string ModelPipelineImpl::State::connect(const char* method) {
   const auto& group = self.options.process_group();
@@ -114,6 +212,40 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
       [this] { reset_states(self); });
   if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
   return out;  // undefined: the cache is full, run eagerly
+}
+
+MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
+                                                         const at::Tensor& target) const {
+  if (x.requires_grad() || (self.is_training() && self.options.checkpoint() != Checkpoint::Never)) {
+    return false;  // input gradients leave the graph; a recompute is not captured
+  }
+  if (target.defined() && target.device() != x.device()) return false;
+  // graphable()'s rules apart from grad mode (it also refuses while a timeline
+  // is recorded).
+  c10::NoGradGuard no_grad;
+  return graphable(x);
+}
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
+    const GraphKey& key, const at::Tensor& x, const at::Tensor& target,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
+  if (self.options.cuda_graphs() && step_graphable(x, target)) {
+    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+    struct Flag {  // graphed steps keep autograd's accumulation (Note [Cast gradients per step])
+      bool& on;
+      explicit Flag(bool& f) : on(f) { on = true; }
+      ~Flag() { on = false; }
+    } graphed{in_graphed_step};
+    at::Tensor loss = detail::run_graphed_step(
+        *graphs, key.str(), {x, target}, self.parameters(),
+        [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+        [this] { reset_states(self); });
+    if (loss.defined()) {
+      reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
+      return loss;
+    }
+  }
+  return eager(x, target, self.options.worker_threads());
 }
 
 MPIPE_FUNC void ModelPipelineImpl::State::drop_graphs() {
