@@ -5,6 +5,7 @@
 #include "mpipe/detail/distributed/remote-inl.h"
 #ifdef MPIPE_WITH_C10D
 #include "mpipe/detail/distributed/distributed-inl.h"
+#include "mpipe/detail/distributed/gloo_link-inl.h"
 #else
 #include "mpipe/detail/distributed/distributed_none-inl.h"
 #endif

@@ -2,7 +2,7 @@
 
 #include "mpipe/detail/config.h"
 
-// distributed::ProcessGroup's accessors (no c10d here: see distributed-inl.h).
+// distributed::ProcessGroup's accessors (no c10d here: see comm.h).
 
 #include "mpipe/detail/distributed/group.h"
 

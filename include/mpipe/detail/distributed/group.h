@@ -1,7 +1,8 @@
 #pragma once
 
 // Private: what a distributed::ProcessGroup holds. The c10d objects are in
-// Comm, defined by distributed-inl.h (the one file that includes c10d).
+// Comm, defined by comm.h (c10d is included only by comm.h, distributed-inl.h
+// and gloo_link{.h,-inl.h}).
 
 #include "mpipe/distributed.h"
 

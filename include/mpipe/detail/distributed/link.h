@@ -1,8 +1,9 @@
 #pragma once
 
 // Private: one pipeline call's messages to and from the other ranks of its
-// pipeline (Note [Cross-process calls] in remote-inl.h). The only part of mpipe
-// that includes c10d is distributed-inl.h, which implements this interface.
+// pipeline (Note [Cross-process calls] in remote-inl.h). GlooLink
+// (gloo_link-inl.h) implements Link and open_link, distributed-inl.h the
+// other functions (with c10d; distributed_none-inl.h without it).
 
 #include "mpipe/detail/runtime/transport.h"
 

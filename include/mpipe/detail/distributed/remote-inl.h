@@ -24,7 +24,7 @@ namespace detail {
 // A pipeline on a process group holds, on each rank, a contiguous range of
 // the global stages; the ranges are exchanged with every rank of the world
 // at the first call (Layout). Every call then runs in four steps on every rank:
-//  1. open: a link to every other rank of the pipeline (distributed-inl.h): a
+//  1. open: a link to every other rank of the pipeline (gloo_link-inl.h): a
 //     receiving thread per peer reads that peer's messages in the order they
 //     were sent (one Gloo tag per pipeline, so order is all that matches
 //     them, as it would be on NCCL) until the peer's End or Abort.
@@ -59,7 +59,7 @@ namespace detail {
 // up; a receive from a stage of the same rank waits without a timeout (that
 // stage delivers or the call fails), so no rank ever names itself. The call
 // then ends within kAnswer without the stalled rank's End (Note [Ending a
-// call] in distributed-inl.h). A rank stalled before the pipeline's first
+// call] in gloo_link-inl.h). A rank stalled before the pipeline's first
 // call is named by the exchange of the stage ranges (one message to and from
 // every rank, each waited for with the timeout). A stall, a death or a broken
 // protocol marks the group broken: later calls fail at once (restart every
