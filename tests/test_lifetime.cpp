@@ -1,6 +1,6 @@
 // Lifetime: a program that builds pipelines again and again (a search over
 // splits, a server) must not lose threads or memory with each one (Note
-// [Shared streams and workers] in mpipe/detail/executor-inl.h).
+// [Shared streams and workers] in mpipe/detail/runtime/workers-inl.h).
 
 #include "common.h"
 

@@ -197,6 +197,10 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   run->call = &call;
   run->forwards = &forwards;
   if (on_shared_worker()) threaded = false;  // a call from inside a stage (Note [Shared streams and workers])
+  // One item (one micro-batch, or all time steps in one chunk) leaves nothing
+  // to overlap: every action waits for the one before it, and worker threads
+  // would only add hand-offs between them.
+  if (call.n_items == 1 && !call.remote) threaded = false;
   run->local = std::make_unique<LocalTransport>(
       stages_, first_, threaded || call.remote != nullptr, call.recorder,
       call.remote ? call.remote->group().timeout() : std::chrono::milliseconds(0));
