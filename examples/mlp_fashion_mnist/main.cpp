@@ -39,7 +39,7 @@ struct Config {
   int64_t hidden = 1024;
   double lr = 1e-3;
   double dropout = 0.2;
-  std::string schedule = "1f1b";
+  std::string schedule = "1F1B";  // mpipe::to_string's name of a Schedule
   std::string checkpoint = "never";
   std::string balance = "none";  // none: the fixed 4-stage split; time or memory: balanced
   std::string precision = "fp32";  // fp32, bf16 or fp16 (autocast over fp32 weights)
@@ -150,10 +150,11 @@ int run(Config cfg) {
   cfg.group = examples::group_from_env();
   const bool report = examples::reports(cfg.group);
   auto pipe = build_model(cfg, devices, train.images.narrow(0, 0, cfg.split));
-  const auto schedule = cfg.schedule == "gpipe"   ? mpipe::Schedule::GPipe
-                        : cfg.schedule == "zb-h1" ? mpipe::Schedule::ZeroBubbleH1
-                        : cfg.schedule == "auto"  ? mpipe::Schedule::Auto
-                                                  : mpipe::Schedule::OneFOneB;
+  mpipe::Schedule schedule = mpipe::Schedule::OneFOneB;
+  for (auto s : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1,
+                 mpipe::Schedule::Auto}) {
+    if (cfg.schedule == mpipe::to_string(s)) schedule = s;  // the flag holds the library's name
+  }
   std::printf("mpipe %s mlp_fashion_mnist: 4 stages on %s%s, hidden %lld, %lld train / %lld "
               "test images, batch %lld in micro-batches of %lld, schedule %s, checkpoint %s, %s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
@@ -246,8 +247,8 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", cfg.hidden, "hidden units per layer")->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "Adam learning rate (cosine-annealed to 0)");
   app.add_option("--dropout", cfg.dropout, "dropout probability");
-  app.add_option("--schedule", cfg.schedule, "gpipe, 1f1b, zb-h1 or auto")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "zb-h1", "auto"}));
+  app.add_option("--schedule", cfg.schedule, "GPipe, 1F1B, ZB-H1 or Auto (any case)")
+      ->transform(CLI::IsMember({"GPipe", "1F1B", "ZB-H1", "Auto"}, CLI::ignore_case));
   app.add_option("--checkpoint", cfg.checkpoint, "never, except-last or always")
       ->check(CLI::IsMember({"never", "except-last", "always"}));
   app.add_option("--balance", cfg.balance,
