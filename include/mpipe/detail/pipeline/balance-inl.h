@@ -22,6 +22,7 @@
 namespace mpipe {
 namespace balance {
 
+}  // namespace balance
 namespace detail {
 
 MPIPE_FUNC void check_costs(const std::vector<double>& costs, const char* who) {
@@ -32,6 +33,7 @@ MPIPE_FUNC void check_costs(const std::vector<double>& costs, const char* who) {
 }
 
 }  // namespace detail
+namespace balance {
 
 MPIPE_FUNC std::vector<int64_t> partition(const std::vector<double>& costs, int64_t n_blocks) {
   detail::check_costs(costs, "partition");
@@ -118,6 +120,7 @@ MPIPE_FUNC ModelPipeline from_sequential(const torch::nn::Sequential& layers,
   return pipe;
 }
 
+}  // namespace balance
 namespace detail {
 
 /// Saves parameters' gradients and buffers of `m` and puts them back, and
@@ -148,6 +151,7 @@ MPIPE_FUNC c10::Device device_of(const torch::nn::Sequential& layers) {
 }
 
 }  // namespace detail
+namespace balance {
 
 MPIPE_FUNC std::vector<double> profile_time(torch::nn::Sequential layers, const at::Tensor& sample,
                                             int64_t reps) {
@@ -184,12 +188,14 @@ MPIPE_FUNC std::vector<double> profile_time(torch::nn::Sequential layers, const 
   return costs;
 }
 
+}  // namespace balance
 namespace detail {
 /// Per layer: its parameters' bytes times (1 + optimizer_state_scale) when
 /// `parameters`, plus its output's bytes for `sample`.
 MPIPE_FUNC std::vector<double> profile_bytes(torch::nn::Sequential layers, const at::Tensor& sample,
                                              double optimizer_state_scale, bool parameters);
 }  // namespace detail
+namespace balance {
 
 MPIPE_FUNC std::vector<double> profile_memory(torch::nn::Sequential layers,
                                               const at::Tensor& sample,
@@ -205,6 +211,7 @@ MPIPE_FUNC std::vector<double> profile_activations(torch::nn::Sequential layers,
   return detail::profile_bytes(std::move(layers), sample, 0, false);
 }
 
+}  // namespace balance
 namespace detail {
 /// Each size positive and all of them together n_layers.
 MPIPE_FUNC void check_stage_sizes(const char* who, size_t n_layers,
@@ -219,6 +226,7 @@ MPIPE_FUNC void check_stage_sizes(const char* who, size_t n_layers,
               ": the stages hold ", total, " layer(s), the values are of ", n_layers);
 }
 }  // namespace detail
+namespace balance {
 
 MPIPE_FUNC schedules::Costs stage_costs(const std::vector<double>& layer_times,
                                         const std::vector<int64_t>& sizes, double scale) {
@@ -253,6 +261,7 @@ MPIPE_FUNC std::vector<double> stage_sums(const std::vector<double>& layer_value
   return sums;
 }
 
+}  // namespace balance
 namespace detail {
 MPIPE_FUNC std::vector<double> profile_bytes(torch::nn::Sequential layers, const at::Tensor& sample,
                                              double optimizer_state_scale, bool parameters) {
@@ -274,6 +283,7 @@ MPIPE_FUNC std::vector<double> profile_bytes(torch::nn::Sequential layers, const
   return costs;
 }
 }  // namespace detail
+namespace balance {
 
 MPIPE_FUNC ModelPipeline balanced(const torch::nn::Sequential& layers,
                                   const std::vector<DeviceArg>& devices,
