@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 namespace mpipe {
-namespace snn {
 namespace detail {
 
 namespace {
@@ -251,5 +250,4 @@ const char* launch_neuron_backward_steps(int dtype, const void* grad_spike,
 }
 
 }  // namespace detail
-}  // namespace snn
 }  // namespace mpipe

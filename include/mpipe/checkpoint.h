@@ -21,26 +21,9 @@ enum class Checkpoint {
   Always,
 };
 
-/// Whether micro-batch `index` of `count` is checkpointed under `mode`.
-inline bool checkpointed(Checkpoint mode, int64_t index, int64_t count) {
-  return mode == Checkpoint::Always || (mode == Checkpoint::ExceptLast && index + 1 < count);
-}
-
 /// True while a checkpointed stage's forward is being run again in backward
 /// (on this thread).
 bool is_recomputing() noexcept;
-
-/// Marks this thread as recomputing while it lives (used by the runtime).
-class RecomputeGuard {
- public:
-  RecomputeGuard() noexcept;
-  ~RecomputeGuard();
-  RecomputeGuard(const RecomputeGuard&) = delete;
-  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
-
- private:
-  bool previous_;
-};
 
 }  // namespace mpipe
 

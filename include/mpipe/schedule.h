@@ -123,6 +123,8 @@ inline std::ostream& operator<<(std::ostream& out, const Op& op) { return out <<
 /// One rank's operations, in the order it runs them.
 using Program = std::vector<Op>;
 
+}  // namespace schedules
+
 namespace detail {
 inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
   TORCH_CHECK_VALUE(n_micro > 0 && n_stages > 0, "mpipe::schedules::", who,
@@ -130,9 +132,10 @@ inline void check_sizes(const char* who, int64_t n_micro, int64_t n_stages) {
 }
 /// `warmup` forwards, then one forward and one backward in turn, then the
 /// remaining backwards: the 1F1B order of a rank's forwards and backwards.
-inline Program one_forward_one_backward(const Program& forwards, const Program& backwards,
-                                        size_t warmup) {
-  Program p;
+inline schedules::Program one_forward_one_backward(const schedules::Program& forwards,
+                                                   const schedules::Program& backwards,
+                                                   size_t warmup) {
+  schedules::Program p;
   size_t f = 0, b = 0;
   while (f < std::min(warmup, forwards.size())) p.push_back(forwards[f++]);
   while (f < forwards.size()) {
@@ -143,6 +146,8 @@ inline Program one_forward_one_backward(const Program& forwards, const Program& 
   return p;
 }
 }  // namespace detail
+
+namespace schedules {
 
 /// The program of a call with no backward (forward, constant_forward,
 /// sequence_forward): rank s runs F(0, s), ..., F(n_items - 1, s). simulate
@@ -361,7 +366,8 @@ inline int64_t peak_in_flight(const Program& program) {
 
 }  // namespace schedules
 
-/// The programs `s` gives n_stages stages (not Auto), one per worker.
+/// The programs `s` gives n_stages stages (not Auto), one per worker: a
+/// starting point for hand-written TrainStepOptions::programs.
 inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
                                                     int64_t virtual_stages = 1) {
   switch (s) {

@@ -21,8 +21,8 @@
 //   so that the thread-local scopes, the shared workers and streams, and the
 //   counters exist once in the program, whatever the number of files that
 //   include mpipe;
-// - no anonymous namespaces: helpers live in mpipe::detail (or the detail
-//   namespace of mpipe::snn, mpipe::balance, mpipe::distributed), where one
+// - no anonymous namespaces: helpers live in mpipe::detail (public headers
+//   open no nested detail namespace, such as mpipe::snn::detail), where one
 //   file's names meet every other file's: both modes compile several -inl.h
 //   files together, so a clash fails the build;
 // - the fused CUDA kernels (src/fused_neuron.cu) need nvcc and stay in the

@@ -25,8 +25,6 @@
 #include <vector>
 
 namespace mpipe {
-namespace snn {
-
 namespace detail {
 /// True for a parameter pack of layers: not a single Impl (a copy) and not a
 /// single Sequential (the constructor that takes it).
@@ -46,6 +44,8 @@ inline void check_sequence(const char* name, const at::Tensor& x) {
               "sequence, got shape ", x.sizes());
 }
 }  // namespace detail
+
+namespace snn {
 
 /// Stateless layers applied to every step of a [T, N, ...] sequence in one
 /// call on [T*N, ...].

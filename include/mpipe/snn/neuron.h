@@ -41,11 +41,11 @@
 #include <vector>
 
 namespace mpipe {
-namespace snn {
-
 namespace detail {
 struct NeuronSpec;  // mpipe/detail/snn/neuron_math.h
 }  // namespace detail
+
+namespace snn {
 
 struct IFNodeOptions {
   TORCH_ARG(double, v_threshold) = 1.0;

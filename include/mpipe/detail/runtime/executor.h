@@ -7,6 +7,7 @@
 #include "mpipe/schedule.h"
 #include "mpipe/tensors.h"
 
+#include "mpipe/detail/runtime/recompute.h"
 #include "mpipe/detail/runtime/rng.h"
 #include "mpipe/detail/runtime/state_snapshot.h"
 #include "mpipe/detail/runtime/time_chunks.h"

@@ -3,6 +3,7 @@
 #include "mpipe/detail/config.h"
 
 #include "mpipe/checkpoint.h"
+#include "mpipe/detail/runtime/recompute.h"
 #include "mpipe/state.h"
 
 #include <c10/util/Exception.h>
@@ -13,13 +14,14 @@ namespace mpipe {
 namespace detail {
 MPIPE_INLINE_VAR thread_local MicroBatch t_micro_batch;
 MPIPE_INLINE_VAR thread_local bool recomputing = false;
+
+MPIPE_FUNC RecomputeGuard::RecomputeGuard() noexcept : previous_(recomputing) {
+  recomputing = true;
+}
+MPIPE_FUNC RecomputeGuard::~RecomputeGuard() { recomputing = previous_; }
 }  // namespace detail
 
 MPIPE_FUNC bool is_recomputing() noexcept { return detail::recomputing; }
-MPIPE_FUNC RecomputeGuard::RecomputeGuard() noexcept : previous_(detail::recomputing) {
-  detail::recomputing = true;
-}
-MPIPE_FUNC RecomputeGuard::~RecomputeGuard() { detail::recomputing = previous_; }
 
 MPIPE_FUNC MicroBatch current_micro_batch() noexcept { return detail::t_micro_batch; }
 

@@ -25,12 +25,12 @@
 #include <vector>
 
 namespace mpipe {
-namespace snn {
-
 namespace detail {
-/// The fused-step CUDA kernels launched so far (fused_cuda_kernel_launches).
+/// The fused-step CUDA kernels launched so far (snn::fused_cuda_kernel_launches).
 MPIPE_INLINE_VAR std::atomic<int64_t> cuda_launches{0};
 }  // namespace detail
+
+namespace snn {
 
 MPIPE_FUNC bool fused_cuda_kernels_built() noexcept {
 #ifdef MPIPE_CUDA_KERNELS
@@ -43,6 +43,8 @@ MPIPE_FUNC bool fused_cuda_kernels_built() noexcept {
 MPIPE_FUNC int64_t fused_cuda_kernel_launches() noexcept {
   return detail::cuda_launches.load(std::memory_order_relaxed);
 }
+
+}  // namespace snn
 
 namespace detail {
 
@@ -314,5 +316,4 @@ MPIPE_FUNC std::pair<at::Tensor, at::Tensor> fused_neuron_steps(const at::Tensor
 }
 
 }  // namespace detail
-}  // namespace snn
 }  // namespace mpipe

@@ -9,7 +9,6 @@
 #include <utility>
 
 namespace mpipe {
-namespace snn {
 namespace detail {
 
 /// Whether the fused step can run on `x`'s device in this build: always on
@@ -27,5 +26,4 @@ std::pair<at::Tensor, at::Tensor> fused_neuron_steps(const at::Tensor& x, const 
                                                      const NeuronSpec& spec);
 
 }  // namespace detail
-}  // namespace snn
 }  // namespace mpipe

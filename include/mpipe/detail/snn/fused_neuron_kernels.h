@@ -9,7 +9,6 @@
 #include <cstdint>
 
 namespace mpipe {
-namespace snn {
 namespace detail {
 
 enum KernelDtype : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
@@ -39,5 +38,4 @@ const char* launch_neuron_backward_steps(int dtype, const void* grad_spike,
                                          const NeuronSpec& spec, void* stream);
 
 }  // namespace detail
-}  // namespace snn
 }  // namespace mpipe

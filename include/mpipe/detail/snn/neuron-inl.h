@@ -39,12 +39,16 @@ MPIPE_FUNC at::Tensor NeuronBase::forward(const at::Tensor& x) {
   return step_mode_ == StepMode::Multi ? multi_step(x) : single_step(x);
 }
 
+}  // namespace snn
+
 namespace detail {
 /// Half and bfloat16 inputs widened to float for a float membrane.
 MPIPE_FUNC bool widens(bool float_membrane, const at::Tensor& x) {
   return float_membrane && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
 }
 }  // namespace detail
+
+namespace snn {
 
 MPIPE_FUNC at::Tensor NeuronBase::single_step(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.defined(), "mpipe::snn::", name_, ": the input is undefined");

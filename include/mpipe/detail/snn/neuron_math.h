@@ -16,7 +16,6 @@
 #endif
 
 namespace mpipe {
-namespace snn {
 namespace detail {
 
 enum ChargeKind : int { kChargeIF = 0, kChargeLIFDecayInput = 1, kChargeLIF = 2 };
@@ -105,5 +104,4 @@ MPIPE_HD inline void neuron_backward(const NeuronConsts<A>& c, A gs, A gv, A h, 
 }
 
 }  // namespace detail
-}  // namespace snn
 }  // namespace mpipe

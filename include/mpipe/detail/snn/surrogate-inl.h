@@ -13,8 +13,6 @@
 #include <sstream>
 
 namespace mpipe {
-namespace snn {
-
 namespace detail {
 
 constexpr double kPi = 3.14159265358979323846;
@@ -32,15 +30,17 @@ struct SpikeFunction : torch::autograd::Function<SpikeFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const at::Tensor x = ctx->get_saved_variables()[0];
-    const auto kind = static_cast<Surrogate::Kind>(ctx->saved_data["kind"].toInt());
+    const auto kind = static_cast<snn::Surrogate::Kind>(ctx->saved_data["kind"].toInt());
     const double alpha = ctx->saved_data["alpha"].toDouble();
-    const Surrogate s = kind == Surrogate::Kind::Sigmoid ? Surrogate::sigmoid(alpha)
-                                                         : Surrogate::atan(alpha);
+    const snn::Surrogate s = kind == snn::Surrogate::Kind::Sigmoid ? snn::Surrogate::sigmoid(alpha)
+                                                                   : snn::Surrogate::atan(alpha);
     return {grad_out[0] * s.derivative(x), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace detail
+
+namespace snn {
 
 MPIPE_FUNC Surrogate::Surrogate(Kind kind, double alpha) : kind_(kind), alpha_(alpha) {
   TORCH_CHECK(alpha > 0 && std::isfinite(alpha),
