@@ -25,4 +25,8 @@ build=${MPIPE_BUILD_DIR:-build}
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" "${torch_args[@]}" "$@"
-cmake --build "$build" -j "$(nproc)"
+# MPIPE_BUILD_TARGETS (space-separated): build only these targets (and what
+# they need), e.g. the one example the first README command runs.
+targets=()
+for t in ${MPIPE_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$build" -j "$(nproc)" "${targets[@]}"
