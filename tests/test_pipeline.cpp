@@ -110,6 +110,50 @@ TEST_P(Pipeline, ConstantForwardStageCallCountsAreExactlyT) {
   expect_close(y, x * 3, 0.0);
 }
 
+TEST_P(Pipeline, ResetStateEachCallStartsEveryTimeStepCallFromRest) {
+  torch::manual_seed(31);
+  Leaky a(4, 0.6), b(4, 0.3);
+  const auto x = torch::randn({3, 4});
+  const auto seq = torch::randn({5, 3, 4});
+  // The plain loops, from reset state.
+  mpipe::reset_states(*a);
+  mpipe::reset_states(*b);
+  torch::Tensor plain_sum;
+  for (int t = 0; t < 4; ++t) {
+    auto y = b(a(x));
+    plain_sum = plain_sum.defined() ? plain_sum + y : y;
+  }
+  mpipe::reset_states(*a);
+  mpipe::reset_states(*b);
+  std::vector<torch::Tensor> steps;
+  for (int64_t t = 0; t < 5; ++t) steps.push_back(b(a(seq[t])));
+  const auto plain_seq = torch::stack(steps);
+  for (bool on : {false, true}) {
+    SCOPED_TRACE(on ? "reset_state_each_call" : "state carried");
+    auto pipe = ModelPipeline(
+        ModelPipelineOptions().worker_threads(GetParam()).reset_state_each_call(on));
+    pipe->append(a, "cpu").append(b, "cpu");
+    mpipe::reset_states(*pipe);
+    const auto first = pipe->constant_forward(x, 4);
+    const auto second = pipe->constant_forward(x, 4);  // no reset in between
+    expect_close(first, plain_sum, 0.0, "first call");
+    if (on) {
+      expect_close(second, plain_sum, 0.0, "second call");
+      EXPECT_FALSE(a->state.slots().empty()) << "the call leaves its state for inspection";
+    } else {
+      EXPECT_FALSE(torch::equal(first, second)) << "state carried into the second call";
+    }
+    mpipe::reset_states(*pipe);
+    pipe->sequence_forward(seq);
+    const auto again = pipe->sequence_forward(seq);
+    if (on) {
+      expect_close(again, plain_seq, 0.0, "sequence_forward after another call");
+    } else {
+      EXPECT_FALSE(torch::equal(again, plain_seq));
+    }
+  }
+}
+
 TEST_P(Pipeline, GradModeAndInferenceModeReachTheStages) {
   auto pipe = make();
   pipe->append(mlp_stage(4, 4), "cpu").append(mlp_stage(4, 4), "cpu");

@@ -146,6 +146,12 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// the T outputs; reduce = false returns them concatenated along dim 0,
   /// time-major ([T*N, ...]).
   ///
+  /// State carries from call to call: reset it between batches
+  /// (mpipe::reset_states(*pipe)), or set
+  /// ModelPipelineOptions::reset_state_each_call to have every call start from
+  /// reset state. A forgotten reset raises no error: the next batch starts from
+  /// the last one's membrane potentials.
+  ///
   /// Multi-step stages (ModelPipelineOptions::step_mode(Multi), or a
   /// `time_chunk` k given here, which overrides the options): each stage call
   /// takes k consecutive steps at once, x repeated as [k, N, ...], and returns
@@ -164,7 +170,8 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// across stages as in constant_forward. Returns the per-step outputs stacked
   /// as [T, N, ...], or their sum when reduce = true. Equal, in values and
   /// gradients, to a plain loop over t. Multi-step stages get the sequence in
-  /// chunks x_seq[t : t + k], as in constant_forward.
+  /// chunks x_seq[t : t + k], as in constant_forward. State carries from call
+  /// to call as in constant_forward (ModelPipelineOptions::reset_state_each_call).
   at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false,
                               std::optional<int64_t> time_chunk = std::nullopt);
   /// sequence_forward for stages with several tensors: batched inputs are

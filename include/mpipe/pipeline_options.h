@@ -21,6 +21,14 @@ struct ModelPipelineOptions {
   /// (one micro-batch, or one time chunk) always runs on the caller's thread:
   /// its tasks wait for one another, so threads would only add hand-offs.
   TORCH_ARG(bool, worker_threads) = true;
+  /// constant_forward and sequence_forward start from reset state: every
+  /// Stateful module of the pipeline is reset (mpipe::reset_states) at the
+  /// start of each such call, as SpikingJelly users call reset_net after each
+  /// batch. Off (the default): state carries from call to call, as the seed's
+  /// class does, and you reset it yourself between batches; forgetting that is
+  /// silent when the batch shape stays the same. State is left as the call
+  /// ends, for inspection. constant_train_step always starts and ends reset.
+  TORCH_ARG(bool, reset_state_each_call) = false;
   /// Activation checkpointing in train_step (only in training mode): a
   /// checkpointed stage keeps just its input in forward and runs again in
   /// backward, drawing the same random numbers, so dropout draws the same

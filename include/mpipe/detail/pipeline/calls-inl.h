@@ -150,6 +150,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
   CallKind kind;
   kind.method = "constant_forward";
   kind.graphable = graphable_call;
+  kind.reset_first = self.options.reset_state_each_call();
   kind.describe = [&] {
     detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk);
     c.reduce = reduce;
@@ -241,6 +242,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
   CallKind kind;
   kind.method = "sequence_forward";
   kind.graphable = graphable_call;
+  kind.reset_first = self.options.reset_state_each_call();
   kind.describe = [&] {
     detail::CallInfo c;
     c.n_items = detail::sequence_length(inputs);

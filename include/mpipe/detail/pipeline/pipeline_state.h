@@ -80,6 +80,7 @@ struct ModelPipelineImpl::State {
         plan;
     bool step = false;         // a training step: graphed through run_step
     bool fresh_state = false;  // state reset before and after (constant_train_step)
+    bool reset_first = false;  // state reset before (ModelPipelineOptions::reset_state_each_call)
     bool graphable = false;    // may run as a CUDA graph (a single-tensor call)
   };
   /// The session: runs a call of `kind` in one process or across processes,

@@ -79,17 +79,17 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
   // of its start, not reset (Note [State snapshots]).
   struct FreshState {
     torch::nn::Module& m;
-    bool on;
-    FreshState(torch::nn::Module& module, bool fresh) : m(module), on(fresh) {
-      if (on) reset_states(m);
+    bool after;
+    FreshState(torch::nn::Module& module, bool before, bool after_) : m(module), after(after_) {
+      if (before || after) reset_states(m);
     }
     ~FreshState() {
-      if (on) reset_states(m);
+      if (after) reset_states(m);
     }
   };
   if (distributed()) {
     return guarded(kind.method, [&] {
-      FreshState fresh(self, kind.fresh_state);
+      FreshState fresh(self, kind.reset_first, kind.fresh_state);
       return across(kind.method, [&](detail::RemoteCall& call) {
         const detail::CallInfo info = agree(call, kind.method, kind.describe);
         if (kind.check) kind.check(info, &call);
@@ -102,7 +102,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
   }
   const detail::CallInfo info = kind.describe();
   return guarded(kind.method, [&]() -> Tensors {
-    FreshState fresh(self, kind.fresh_state);
+    FreshState fresh(self, kind.reset_first, kind.fresh_state);
     if (kind.check) kind.check(info, nullptr);
     if (kind.graphable && inputs.size() == 1) {
       const at::Tensor& x = inputs[0].tensor;
