@@ -46,6 +46,21 @@ void expect_usable(Net& net) {
 
 }  // namespace
 
+TEST(BadInput, AShapeMismatchBetweenStagesNamesTheShapeTheStageGot) {
+  for (bool threads : {true, false}) {
+    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+    pipe->append(torch::nn::Linear(4, 8), "cpu").append(torch::nn::Linear(6, 2), "cpu");
+    MPIPE_EXPECT_ERROR(pipe->forward(torch::randn({6, 4}), 3), "forward", "stage 1",
+                       "micro-batch 0 of 2",
+                       "(the stage's input: shape [3, 8], the output of stage 0)");
+    MPIPE_EXPECT_ERROR(pipe->constant_forward(torch::randn({6, 5}), 2), "stage 0",
+                       "(the stage's input: shape [6, 5], the call's)");
+    auto fixed = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+    fixed->append(torch::nn::Linear(4, 8), "cpu").append(torch::nn::Linear(8, 2), "cpu");
+    EXPECT_EQ(fixed->forward(torch::randn({6, 4}), 3).sizes(), (std::vector<int64_t>{6, 2}));
+  }
+}
+
 TEST(BadInput, ForwardTypeCalls) {
   for (bool threads : {true, false}) {
     Net net(ModelPipelineOptions().worker_threads(threads));

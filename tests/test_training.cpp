@@ -629,7 +629,8 @@ TEST(ConstantTrainStep, BadInputsAreRefusedAndThePipelineStaysUsable) {
   MPIPE_EXPECT_ERROR(pipe->constant_train_step(
                          x, 2, torch::Tensor(),
                          [](const torch::Tensor& out, const torch::Tensor&) { return out; }),
-                     "constant_train_step", "must return one value", "[2, 3]");
+                     "constant_train_step", "must return one value", "[2, 3]",
+                     "reduce it, e.g. with .mean() or .sum()");
   // Stage 1 fails at its 4th call (the step above made 2): time step 1 of 3.
   MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 3, torch::Tensor(), mean),
                      "constant_train_step", "stage 1", "time step 1 of 3", "planted failure");

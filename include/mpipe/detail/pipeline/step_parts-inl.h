@@ -50,7 +50,8 @@ MPIPE_FUNC at::Tensor scalar_loss(const LossFunction& loss_fn, const Tensors& ou
   at::Tensor loss = call_loss(loss_fn, out[0], target, method);
   TORCH_CHECK(loss.defined() && loss.numel() == 1, prefix,
               "the loss function must return one value, got ",
-              loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"));
+              loss.defined() ? "shape " + c10::str(loss.sizes()) : std::string("undefined"),
+              loss.defined() ? "; reduce it, e.g. with .mean() or .sum()" : "");
   return loss.reshape({});
 }
 

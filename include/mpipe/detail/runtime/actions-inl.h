@@ -115,6 +115,24 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
           return t;
         });
     CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
+    // A stage's own error (a shape mismatch, most often) also gets the shapes
+    // the stage was given and where they came from.
+    auto call_stage = [&] {
+      try {
+        return (*run.forwards)[local(j)](in);
+      } catch (const c10::Error& e) {
+        std::string shapes;
+        for (const auto& t : in) {
+          shapes += c10::str(shapes.empty() ? "" : ", ",
+                             t.defined() ? c10::str(t.sizes()) : std::string("undefined"));
+        }
+        TORCH_CHECK(false, e.what_without_backtrace(), " (the stage's input",
+                    in.size() == 1 ? ": shape " : "s: shapes ", shapes,
+                    j > 0 ? c10::str(", the output of stage ", j - 1) : std::string(", the call's"),
+                    ")");
+      }
+      return Tensors();  // not reached: TORCH_CHECK threw
+    };
     if (ckpt) {
       if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[local(j)]);
       c10::NoGradGuard no_grad;
@@ -123,9 +141,9 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
       AutocastState uncached = AutocastState::current();
       uncached.cache = false;
       AutocastScope autocast(uncached);
-      out = (*run.forwards)[local(j)](in);
+      out = call_stage();
     } else {
-      out = (*run.forwards)[local(j)](in);
+      out = call_stage();
     }
   }
   TORCH_CHECK(!out.empty(), "the stage returned no tensor");
