@@ -190,13 +190,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   spec.caller_tensors = tensors;
   auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0 || loss_fn,
                                                         chunks);
-  spec.sink = [outs, method, n_stages, multi = chunks.multi()](int64_t i, Tensors o) {
-    if (multi) {
-      outs->add_chunk(method, n_stages - 1, i, std::move(o));
-    } else {
-      outs->add(i, std::move(o));
-    }
-  };
+  spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
   if (!loss_fn) {
     plan.results = [outs, remote, method, n_stages](const CallSpec&) -> Tensors {
       if (remote && !remote->last()) return {};
@@ -274,13 +268,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_sequenc
   };
   spec.caller_tensors = detail::tensors_of(inputs);
   auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0, chunks);
-  spec.sink = [outs, n_stages, multi = chunks.multi()](int64_t i, Tensors o) {
-    if (multi) {
-      outs->add_chunk("sequence_forward", n_stages - 1, i, std::move(o));
-    } else {
-      outs->add(i, std::move(o));
-    }
-  };
+  spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
   plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
     if (remote && !remote->last()) return {};
     return detail::for_caller(outs->results("sequence_forward", n_stages - 1, /*stack=*/true));

@@ -133,13 +133,21 @@ class TimeStepOutputs {
       : reduce_(reduce),
         chunks_(chunks),
         steps_(reduce ? 1 : static_cast<size_t>(chunks.multi() ? chunks.count() : T)) {}
+  /// Item i's outputs: a chunk's (add_chunk) with multi-step chunks, else
+  /// one step's (add).
+  void add_item(int64_t i, Tensors out) {
+    if (chunks_.multi()) {
+      add_chunk(i, std::move(out));
+    } else {
+      add(i, std::move(out));
+    }
+  }
   /// Chunk i's outputs, each [k_i, ...] (checked). Summed step by step, in
   /// the order single steps make them, so every k gives the same result.
   /// Runs in the last stage's action, whose error already names the call,
-  /// the stage and the chunk with its steps (Executor::describe_failure):
-  /// the messages here do not repeat them, so `method` and `last_stage` go
-  /// unused.
-  void add_chunk(const char* /*method*/, int64_t /*last_stage*/, int64_t i, Tensors out) {
+  /// the stage and the chunk with its steps (Executor::describe_failure), so
+  /// the messages here do not repeat them.
+  void add_chunk(int64_t i, Tensors out) {
     const int64_t k = chunks_.size(i);
     for (size_t o = 0; o < out.size(); ++o) {
       const at::Tensor& y = out[o];
