@@ -58,6 +58,47 @@ TEST_P(Pipeline, ForwardRunsEachMicroBatchOnceInOrderOnEveryStage) {
   for (auto& r : recorders) EXPECT_EQ(r->seen, (std::vector<double>{0, 3, 6, 9}));
 }
 
+TEST_P(Pipeline, ChunksCountMicroBatchesAsTorchChunkDoes) {
+  auto pipe = make();
+  std::vector<Recorder> recorders(3);
+  for (auto& r : recorders) pipe->append(r, torch::kCPU);
+  // (batch, chunks) -> the first row of each micro-batch: ceil(batch / n) rows each.
+  const std::vector<std::tuple<int64_t, int64_t, std::vector<double>>> cases = {
+      {10, 1, {0}},           {10, 2, {0, 5}},          {10, 4, {0, 3, 6, 9}},
+      {10, 5, {0, 2, 4, 6, 8}}, {9, 4, {0, 3, 6}},       {3, 7, {0, 1, 2}},
+      {10, 10, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}}};
+  for (const auto& [batch, n, starts] : cases) {
+    SCOPED_TRACE("batch " + std::to_string(batch) + ", chunks " + std::to_string(n));
+    for (auto& r : recorders) r->seen.clear();
+    auto x = torch::arange(batch, torch::kDouble).reshape({batch, 1});
+    expect_close(pipe->forward(x, mpipe::chunks(n)), x, 0.0);
+    for (auto& r : recorders) EXPECT_EQ(r->seen, starts);
+    // The same split spelled as rows per micro-batch.
+    for (auto& r : recorders) r->seen.clear();
+    pipe->forward(x, (batch + n - 1) / n);
+    for (auto& r : recorders) EXPECT_EQ(r->seen, starts);
+  }
+  auto x = torch::randn({4, 1}, torch::kDouble);
+  MPIPE_EXPECT_ERROR(pipe->forward(x, mpipe::chunks(0)), "forward", "chunks must be positive, got 0");
+  MPIPE_EXPECT_ERROR(pipe->forward({x}, mpipe::chunks(-2)), "chunks must be positive, got -2");
+  EXPECT_EQ(pipe->forward(x, mpipe::chunks(2)).sizes(), x.sizes());  // still usable
+}
+
+TEST_P(Pipeline, ChunksAreTransparentLikeRows) {
+  torch::manual_seed(3);
+  auto stages = mlp_stages(3, 5);
+  auto pipe = make();
+  for (auto& s : stages) pipe->append(s, "cpu");
+  std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+  for (int64_t n : {1, 2, 3, 4, 7, 11, 40}) {
+    SCOPED_TRACE("chunks " + std::to_string(n));
+    auto x = torch::randn({11, 5}, torch::kDouble);
+    expect_transparent(
+        *pipe, x, [&](const torch::Tensor& in) { return pipe->forward(in, mpipe::chunks(n)); },
+        [&](const torch::Tensor& in) { return plain_forward(stages, devices, in); });
+  }
+}
+
 TEST_P(Pipeline, ConstantForwardMatchesPlainLoopWithState) {
   torch::manual_seed(1);
   const int64_t width = 5;

@@ -208,6 +208,57 @@ TEST(TrainStepPrograms, GivenProgramsThatCannotRunAreRefused) {
   EXPECT_TRUE(pipe->train_step(x, y, mse, TrainStepOptions(2)).defined());
 }
 
+TEST(TrainStepChunks, ACountGivesTheStepOfItsRowsUnderEverySchedule) {
+  const int64_t width = 4, batch = 10;
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  for (Schedule schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+    for (int64_t n : {1, 3, 4, 10, 16}) {
+      SCOPED_TRACE(name_of(schedule) + ", chunks " + std::to_string(n));
+      torch::manual_seed(5);
+      std::vector<torch::nn::Sequential> stages;
+      auto pipe = ModelPipeline();
+      for (int64_t j = 0; j < 3; ++j) {
+        stages.push_back(mlp_stage(width, width));
+        stages.back()->to(torch::kDouble);
+        pipe->append(stages.back(), "cpu");
+      }
+      auto x = torch::randn({batch, width}, torch::kDouble);
+      auto y = torch::randn({batch, width}, torch::kDouble);
+      // Against the plain model, spelled both ways.
+      expect_train_step_transparent(pipe, stages, {torch::kCPU, torch::kCPU, torch::kCPU}, x, y,
+                                    mse, TrainStepOptions(mpipe::chunks(n)).schedule(schedule));
+      expect_train_step_transparent(pipe, stages, {torch::kCPU, torch::kCPU, torch::kCPU}, x, y,
+                                    mse, TrainStepOptions(4).chunks(n).schedule(schedule));
+      // Bit for bit the step of ceil(batch / n) rows per micro-batch.
+      pipe->zero_grad();
+      auto by_count = pipe->train_step(x, y, mse, mpipe::chunks(n));
+      std::vector<torch::Tensor> grads;
+      for (auto& p : pipe->parameters()) grads.push_back(p.grad().clone());
+      pipe->zero_grad();
+      auto by_rows = pipe->train_step(x, y, mse, TrainStepOptions(1).split_size((batch + n - 1) / n));
+      EXPECT_TRUE(torch::equal(by_count, by_rows));
+      auto params = pipe->parameters();
+      for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(grads[i], params[i].grad()));
+    }
+  }
+}
+
+TEST(TrainStepChunks, GivenProgramsCountTheChunks) {
+  auto pipe = ModelPipeline();
+  torch::nn::Linear l0(2, 2), l1(2, 2);
+  pipe->append(l0, "cpu").append(l1, "cpu");
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  const auto programs = sch::one_f_one_b(2, 2);
+  auto x = torch::randn({6, 2}), y = torch::randn({6, 2});
+  EXPECT_TRUE(pipe->train_step(x, y, mse, TrainStepOptions(mpipe::chunks(2)).programs(programs))
+                  .defined());
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(mpipe::chunks(3)).programs(programs)),
+                     "train_step", "of 3 micro-batch");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(2).chunks(0)),
+                     "train_step", "chunks must be positive, got 0");
+  EXPECT_TRUE(pipe->train_step(x, y, mse, mpipe::chunks(6)).defined());  // still usable
+}
+
 namespace {
 
 struct TrainCase {

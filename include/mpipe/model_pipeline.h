@@ -11,6 +11,7 @@
 #include <mpipe/device.h>
 #include <mpipe/memory.h>
 #include <mpipe/pipeline_options.h>
+#include <mpipe/split.h>
 #include <mpipe/tensors.h>
 #include <mpipe/timeline.h>
 #include <mpipe/training.h>
@@ -127,17 +128,20 @@ class ModelPipelineImpl : public torch::nn::Module {
   }
   ModelPipelineImpl& append(torch::nn::AnyModule module, const DeviceArg& device);
 
-  /// Splits `x` along dim 0 into micro-batches of `split_size` rows (the last
-  /// may be smaller; split_size >= batch gives one), streams them through the
+  /// Splits `x` along dim 0 into micro-batches, streams them through the
   /// stages as a fill-drain wavefront and returns their outputs concatenated
-  /// along dim 0, on the output device. Equal, in value and in gradients, to
-  /// running the stages one after another on the whole batch.
-  at::Tensor forward(const at::Tensor& x, int64_t split_size);
+  /// along dim 0, on the output device. `split` is rows per micro-batch (an
+  /// integer, as the seed's split_size: the last may be smaller, and one at or
+  /// above the batch gives one micro-batch) or mpipe::chunks(n), n
+  /// micro-batches as torchgpipe's `chunks` (mpipe/split.h). Equal, in value
+  /// and in gradients, to running the stages one after another on the whole
+  /// batch.
+  at::Tensor forward(const at::Tensor& x, Split split);
   /// forward for stages with several tensors: `inputs` are stage 0's inputs,
   /// each split along dim 0 unless marked mpipe::unbatched (then every
   /// micro-batch gets it whole); batched inputs must agree on their size along
   /// dim 0. Returns the last stage's outputs, each concatenated along dim 0.
-  Tensors forward(const std::vector<Input>& inputs, int64_t split_size);
+  Tensors forward(const std::vector<Input>& inputs, Split split);
 
   /// Runs the model T times on the same input `x`, time steps pipelined across
   /// stages (stage j runs step t while stage j-1 runs step t+1). Each stage runs
@@ -181,7 +185,8 @@ class ModelPipelineImpl : public torch::nn::Module {
                            std::optional<int64_t> time_chunk = std::nullopt);
 
   /// One training step. Splits `input` and `target` along dim 0 into
-  /// micro-batches of step.split_size() rows, runs every stage's forwards and
+  /// micro-batches as step.split() says (rows per micro-batch, or
+  /// mpipe::chunks(n)), runs every stage's forwards and
   /// backwards under step.schedule() (GPipe, OneFOneB, Interleaved1F1B,
   /// ZeroBubbleH1, or Auto's choice among them: mpipe/training.h), with
   /// activation checkpointing as options.checkpoint says, and accumulates

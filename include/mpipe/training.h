@@ -7,6 +7,7 @@
 // is reduced over the batch; and the automatic choice of schedule.
 
 #include <mpipe/schedule.h>
+#include <mpipe/split.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -33,10 +34,32 @@ enum class LossReduction {
 /// target) -> a scalar.
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+/// How train_step runs: the split into micro-batches, the schedule, the loss's
+/// reduction and the schedule's inputs.
 struct TrainStepOptions {
-  /* implicit */ TrainStepOptions(int64_t split_size) : split_size_(split_size) {}
-  /// Rows per micro-batch (the last may be smaller).
-  TORCH_ARG(int64_t, split_size);
+  /// Micro-batches of `split_size` rows (the last may be smaller).
+  /* implicit */ TrainStepOptions(int64_t split_size) : split_(split_size) {}
+  /// Micro-batches as `split` says: rows each, or mpipe::chunks(n).
+  /* implicit */ TrainStepOptions(Split split) : split_(split) {}
+
+  /// Micro-batches of `rows` rows each (the last may be smaller).
+  TrainStepOptions& split_size(int64_t rows) {
+    split_ = Split(rows);
+    return *this;
+  }
+  /// `n` micro-batches (torchgpipe's `chunks`, torch.distributed.pipelining's
+  /// `n_microbatches`), as mpipe::chunks(n).
+  TrainStepOptions& chunks(int64_t n) {
+    split_ = Split::chunks(n);
+    return *this;
+  }
+  /// The split, as given (Note [Two spellings of a split] in mpipe/split.h).
+  const Split& split() const noexcept { return split_; }
+
+ private:
+  Split split_;
+
+ public:
   TORCH_ARG(Schedule, schedule) = Schedule::GPipe;
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
   /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it

@@ -105,8 +105,11 @@ TEST(Distributed, ForwardEqualsThePlainModelAndShapesMayChange) {
   for (int64_t rows : {7, 12, 1}) {  // a new batch size every call
     const at::Tensor x = input(rows);
     const at::Tensor out = pipe->forward(group().is_first() ? x : at::Tensor(), 3);
+    // A micro-batch count: the first rank turns it into rows for every rank.
+    const at::Tensor counted = pipe->forward(group().is_first() ? x : at::Tensor(), mpipe::chunks(4));
     if (group().is_last()) {
       expect_close(out, plain(stages, x), "forward, rows " + std::to_string(rows));
+      expect_close(counted, plain(stages, x), "forward in 4 chunks, rows " + std::to_string(rows));
     } else {
       EXPECT_FALSE(out.defined()) << "ranks before the last get an undefined tensor";
     }

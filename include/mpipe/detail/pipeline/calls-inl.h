@@ -38,16 +38,15 @@ MPIPE_FUNC Tensors for_caller(Tensors out) {
 // forward ------------------------------------------------------------------
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& inputs,
-                                                     int64_t split_size, bool graphable_call) {
+                                                     Split split, bool graphable_call) {
   CallKind kind;
   kind.method = "forward";
   kind.graphable = graphable_call;
   kind.describe = [&] {
     detail::CallInfo c;
     c.batch = detail::split_batch("forward", inputs);
-    detail::check_split("forward", split_size);
-    c.rows = split_size;
-    c.n_items = (c.batch - 1) / split_size + 1;  // not (batch + rows - 1) / rows: rows may be huge
+    c.rows = split.rows("forward", c.batch);
+    c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     return c;
   };
   kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,

@@ -133,16 +133,16 @@ MPIPE_FUNC int64_t chunk_of(const ModelPipelineImpl& p, const char* method,
 
 }  // namespace detail
 
-MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, int64_t split_size) {
+MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, Split split) {
   detail::check_runnable(*this, "forward", x);
   return detail::one_output("forward",
-                                   state_->forward({x}, split_size, /*graphable_call=*/true));
+                                   state_->forward({x}, split, /*graphable_call=*/true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs,
-                                              int64_t split_size) {
+                                              Split split) {
   detail::check_runnable(*this, "forward");
-  return state_->forward(inputs, split_size, /*graphable_call=*/false);
+  return state_->forward(inputs, split, /*graphable_call=*/false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T,

@@ -113,7 +113,7 @@ struct ModelPipelineImpl::State {
   void end_memory_watch(const char* method);
 
   // The call kinds: calls-inl.h, train_steps-inl.h ---------------------------
-  Tensors forward(const std::vector<Input>& inputs, int64_t split_size, bool graphable_call);
+  Tensors forward(const std::vector<Input>& inputs, Split split, bool graphable_call);
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
                            int64_t chunk, bool graphable_call);
   Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,

@@ -64,14 +64,13 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
   kind.describe = [&] {  // the call's description from the inputs and options, checked
     detail::CallInfo c;
     c.batch = detail::split_batch("train_step", inputs);
-    detail::check_split("train_step", step.split_size());
     const int64_t n_stages = executor.n_total();
     const bool given = !step.programs().empty();
     if (!given) detail::check_schedule(step, n_stages);
     TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
                 "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
                 step.loss_scale());
-    c.rows = step.split_size();
+    c.rows = step.split().rows("train_step", c.batch);
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     c.virtual_stages = step.virtual_stages();
     c.reduction = static_cast<int64_t>(step.reduction());

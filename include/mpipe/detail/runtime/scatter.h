@@ -52,12 +52,6 @@ inline int64_t split_batch(const char* method, const std::vector<Input>& inputs)
   return batch;
 }
 
-/// Rows per micro-batch, checked.
-inline void check_split(const char* method, int64_t split_size) {
-  TORCH_CHECK(split_size > 0, "mpipe::ModelPipeline::", method,
-              ": split_size must be positive, got ", split_size);
-}
-
 /// The one output of a call whose Tensor overload was used; undefined when
 /// there is none (a rank before the last, across processes).
 inline at::Tensor one_output(const char* method, Tensors out) {
