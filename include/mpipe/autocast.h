@@ -22,6 +22,8 @@
 
 namespace mpipe {
 
+/// Autocast on for a scope on this thread, as Python's `with torch.autocast(...)`;
+/// the destructor puts the previous state back.
 class AutocastGuard {
  public:
   /// Autocast on `device` (kCPU or kCUDA) to `dtype` (kBFloat16 or kHalf),

@@ -36,38 +36,63 @@
 
 namespace mpipe {
 
+/// Options of DeferredBatchNorm, as torch::nn::BatchNormOptions.
 struct DeferredBatchNormOptions {
+  /// `num_features` channels, the other options at their defaults.
   /* implicit */ DeferredBatchNormOptions(int64_t num_features) : num_features_(num_features) {}
+  /// C, the channels of input [N, C, ...].
   TORCH_ARG(int64_t, num_features);
+  /// Added to the variance before its square root.
   TORCH_ARG(double, eps) = 1e-5;
+  /// Weight of a call's statistics in the running statistics' update.
   TORCH_ARG(double, momentum) = 0.1;
+  /// Learnable per-channel weight and bias.
   TORCH_ARG(bool, affine) = true;
 };
 
+/// BatchNorm whose running statistics are updated once per pipeline call,
+/// with the whole batch's statistics (Note [Deferred BatchNorm]).
 class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>,
                               public Stateful {
  public:
+  /// Checks num_features > 0 and creates the parameters and buffers.
   explicit DeferredBatchNormImpl(DeferredBatchNormOptions options);
+  /// (Re)creates weight = 1, bias = 0, running_mean = 0, running_var = 1 and
+  /// num_batches_tracked = 0, and drops partial statistics.
   void reset() override;
+  /// Normalises `x` [N, C, ...]: with its own statistics in training mode
+  /// (the running ones updated at the call's last micro-batch), with the
+  /// running statistics in eval mode.
   at::Tensor forward(const at::Tensor& x);
+  /// Prints `mpipe::DeferredBatchNorm(C, eps=..., momentum=..., affine=...)`.
   void pretty_print(std::ostream& stream) const override;
 
-  /// Partial statistics of a call in progress (Note [State snapshots]).
+  /// Drops the partial statistics of a call in progress (never the running ones).
   void reset_state() override;
   bool holds_state() const override { return count_ > 0; }
   bool supports_state_snapshots() const override { return true; }
   std::any save_state() const override;
   void load_state(const std::any& state) override;
 
+  /// The options it was built with.
   DeferredBatchNormOptions options;
-  at::Tensor weight, bias;                                     // if affine
-  at::Tensor running_mean, running_var, num_batches_tracked;   // buffers
+  /// Per-channel scale [C], a parameter when options.affine() (else undefined).
+  at::Tensor weight;
+  /// Per-channel shift [C], a parameter when options.affine() (else undefined).
+  at::Tensor bias;
+  /// Running mean [C] (buffer), updated once per call in training mode.
+  at::Tensor running_mean;
+  /// Running unbiased variance [C] (buffer), updated once per call in training mode.
+  at::Tensor running_var;
+  /// How many times the running statistics were updated (buffer, a scalar).
+  at::Tensor num_batches_tracked;
 
  private:
   void commit();
   at::Tensor mean_, m2_;  // double: mean and sum of squared deviations so far
   int64_t count_ = 0;
 };
+/// A holder for DeferredBatchNormImpl, as torch::nn's modules have.
 TORCH_MODULE(DeferredBatchNorm);
 
 }  // namespace mpipe

@@ -11,6 +11,7 @@
 
 namespace mpipe {
 
+/// Which micro-batches a training step checkpoints (ModelPipelineOptions::checkpoint).
 enum class Checkpoint {
   /// Keep every activation (fastest, most memory).
   Never,

@@ -21,11 +21,17 @@ namespace mpipe {
 /// when the stage is appended so that errors can name the stage.
 class DeviceArg {
  public:
+  /// A device as it is, such as torch::Device(torch::kCUDA, 1).
   /* implicit */ DeviceArg(c10::Device device) : device_(device), has_device_(true) {}
+  /// A device type without an index: torch::kCPU, or torch::kCUDA (the current CUDA device).
   /* implicit */ DeviceArg(c10::DeviceType type) : device_(type), has_device_(true) {}
+  /// A spelling: "cpu", "cuda", "cuda:2", or a bare index "2" (cuda:2).
   /* implicit */ DeviceArg(std::string spec) : device_(c10::kCPU), spec_(std::move(spec)) {}
+  /// A spelling, as the std::string overload.
   /* implicit */ DeviceArg(const char* spec) : DeviceArg(std::string(spec)) {}
+  /// A GPU index: 2 means cuda:2.
   /* implicit */ DeviceArg(int index) : DeviceArg(static_cast<int64_t>(index)) {}
+  /// A GPU index: 2 means cuda:2.
   /* implicit */ DeviceArg(int64_t index)
       : device_(c10::kCPU), index_(index), has_index_(true) {}
 

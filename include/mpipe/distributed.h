@@ -36,18 +36,23 @@ struct GroupAccess;
 }  // namespace detail
 namespace distributed {
 
+/// What carries CUDA tensors between ranks.
 enum class Backend {
   /// NCCL for CUDA tensors where this LibTorch has it and CUDA is available,
   /// Gloo otherwise; the environment variable MPIPE_BACKEND=gloo|nccl overrides it.
   Auto,
+  /// Gloo for every tensor (CUDA tensors through host memory).
   Gloo,
+  /// NCCL for CUDA tensors (GPU to GPU); Gloo for CPU tensors.
   NCCL,
 };
 
 /// "Auto", "Gloo" or "NCCL".
 const char* to_string(Backend backend);
 
+/// Options of init_from_env() and init().
 struct GroupOptions {
+  /// What carries CUDA tensors (Gloo always carries the messages' headers and CPU tensors).
   TORCH_ARG(Backend, backend) = Backend::Auto;
   /// The longest any rank waits for another: at the rendezvous, at a
   /// pipeline's first call, and during a call for the next message from
@@ -67,22 +72,32 @@ struct GroupOptions {
 /// the pipeline runs in this process only.
 class ProcessGroup {
  public:
+  /// No group: a pipeline given it runs in this process only.
   ProcessGroup() = default;
+  /// Whether this is a group (not default-constructed); the other accessors
+  /// throw c10::Error on an undefined one.
   bool defined() const noexcept { return impl_ != nullptr; }
 
+  /// This rank in the world, 0 to world_size() - 1.
   int64_t rank() const;
+  /// The number of ranks in the world.
   int64_t world_size() const;
-  /// Data parallelism: the number of replicas and this rank's replica.
+  /// Data parallelism: the number of replicas of the pipeline.
   int64_t replicas() const;
+  /// This rank's replica, rank() % replicas().
   int64_t replica() const;
-  /// This rank's place along its pipeline, and the pipeline's rank count.
+  /// This rank's place along its pipeline, rank() / replicas().
   int64_t pipeline_rank() const;
+  /// The number of ranks of each pipeline, world_size() / replicas().
   int64_t pipeline_size() const;
+  /// Whether this rank holds the pipeline's first stages (it reads the inputs).
   bool is_first() const { return pipeline_rank() == 0; }
+  /// Whether this rank holds the pipeline's last stages (it gets the outputs or the loss).
   bool is_last() const { return pipeline_rank() + 1 == pipeline_size(); }
   /// The backend for CUDA tensors (Gloo carries the messages' headers and CPU
   /// tensors in every case).
   Backend backend() const;
+  /// GroupOptions::timeout, as the group was created with.
   std::chrono::milliseconds timeout() const;
 
   /// The stages [first, end) of `n_stages` this rank holds when they are

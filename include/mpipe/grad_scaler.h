@@ -37,13 +37,17 @@
 
 namespace mpipe {
 
+/// Options of GradScaler, with torch.amp.GradScaler's defaults.
 struct GradScalerOptions {
+  /// The scale to start from (positive and finite).
   TORCH_ARG(double, init_scale) = 65536.0;
-  /// The scale is multiplied by this after growth_interval steps in a row
-  /// without inf/NaN gradients ...
+  /// The scale is multiplied by this (> 1) after growth_interval steps in a
+  /// row without inf/NaN gradients.
   TORCH_ARG(double, growth_factor) = 2.0;
-  /// ... and by this after a step whose gradients held inf or NaN.
+  /// The scale is multiplied by this (in (0, 1)) after a step whose gradients
+  /// held inf or NaN.
   TORCH_ARG(double, backoff_factor) = 0.5;
+  /// How many good steps in a row grow the scale.
   TORCH_ARG(int64_t, growth_interval) = 2000;
   /// Disabled: scale() returns the loss, step() steps, update() does nothing.
   TORCH_ARG(bool, enabled) = true;
@@ -51,8 +55,11 @@ struct GradScalerOptions {
   TORCH_ARG(distributed::ProcessGroup, process_group) = {};
 };
 
+/// Loss scaling for fp16 training, as torch.amp.GradScaler: scales the loss,
+/// unscales the gradients, skips steps with inf/NaN gradients and adapts the scale.
 class GradScaler {
  public:
+  /// Starts at options.init_scale(); throws c10::Error on invalid options.
   explicit GradScaler(GradScalerOptions options = {}) : options_(std::move(options)) {
     TORCH_CHECK(options_.init_scale() > 0 && std::isfinite(options_.init_scale()),
                 "mpipe::GradScaler: init_scale must be positive and finite, got ",
@@ -68,6 +75,7 @@ class GradScaler {
     scale_ = options_.init_scale();
   }
 
+  /// GradScalerOptions::enabled.
   bool is_enabled() const { return options_.enabled(); }
   /// The current scale (1 when disabled).
   double get_scale() const { return is_enabled() ? scale_ : 1.0; }
@@ -172,6 +180,7 @@ class GradScaler {
     archive.write("scale", at::tensor(scale_, at::kDouble));
     archive.write("growth_tracker", at::tensor(growth_tracker_, at::kLong));
   }
+  /// Puts back what save() wrote (and clears what this step recorded).
   void load(torch::serialize::InputArchive& archive) {
     at::Tensor s, t;
     archive.read("scale", s);
@@ -181,6 +190,7 @@ class GradScaler {
     state_.clear();
   }
 
+  /// The options it was built with.
   const GradScalerOptions& options() const { return options_; }
 
  private:

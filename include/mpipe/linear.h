@@ -36,14 +36,20 @@
 
 namespace mpipe {
 
+/// torch::nn::Linear (same options, initialisation, parameter names and state
+/// dicts) whose weight autocast casts once per scope (Note [Linear under autocast]).
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  public:
+  /// y = x W^T + b with W [out_features, in_features] and a bias.
   LinearImpl(int64_t in_features, int64_t out_features)
       : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  /// torch::nn::Linear's options (in_features, out_features, bias).
   explicit LinearImpl(torch::nn::LinearOptions options) : options(std::move(options)) {
     reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall): as torch::nn::Linear
   }
 
+  /// Registers `weight` and `bias` (undefined without options.bias()) and
+  /// initialises them (reset_parameters()).
   void reset() override {
     weight = register_parameter(
         "weight", torch::empty({options.out_features(), options.in_features()}));
@@ -62,12 +68,14 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
     }
   }
 
+  /// Prints `mpipe::Linear(in_features=..., out_features=..., bias=...)`.
   void pretty_print(std::ostream& stream) const override {
     stream << "mpipe::Linear(in_features=" << options.in_features()
            << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
            << options.bias() << ")";
   }
 
+  /// aten::linear(input, weight, bias), with step_weight() for `weight` where it is defined.
   torch::Tensor forward(const torch::Tensor& input) {
     const at::Tensor step = step_weight();
     return at::linear(input, step.defined() ? step : weight, bias);
@@ -80,11 +88,15 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Elsewhere undefined: forward uses `weight`.
   at::Tensor step_weight() const;
 
+  /// The options it was built with.
   torch::nn::LinearOptions options;
+  /// [out_features, in_features].
   torch::Tensor weight;
+  /// [out_features], or undefined without options.bias().
   torch::Tensor bias;
 };
 
+/// A holder for LinearImpl, as torch::nn's modules have.
 TORCH_MODULE(Linear);
 
 }  // namespace mpipe

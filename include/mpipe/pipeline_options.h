@@ -13,6 +13,8 @@
 
 namespace mpipe {
 
+/// Options of a ModelPipeline, in the style of torch::nn's options structs:
+/// `mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(false))`.
 struct ModelPipelineOptions {
   /// Run each stage's host work (kernel launches, CPU compute) on a worker
   /// thread of its own, so stages issue work concurrently. When false, the

@@ -19,6 +19,8 @@
 
 namespace mpipe {
 
+/// A training schedule: the order of each stage's forwards and backwards in
+/// ModelPipelineImpl::train_step (TrainStepOptions::schedule).
 enum class Schedule {
   /// Fill-drain: all forwards, then all backwards (schedules::gpipe).
   GPipe,
@@ -80,23 +82,43 @@ inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
 // Each (stage, micro-batch) runs F once and then either B, or I and later W.
 // A micro-batch's activations on a stage stay alive from its F to its B or W.
 
-enum class OpKind { Forward, Backward, BackwardInput, BackwardWeight };
+/// What an operation of a program does (Note [Programs]).
+enum class OpKind {
+  /// F: the stage's forward of the micro-batch.
+  Forward,
+  /// B: its full backward (input and weight gradients).
+  Backward,
+  /// I: the input half of a split backward, the gradient of the stage's inputs.
+  BackwardInput,
+  /// W: the weight half of a split backward, after the I of the same stage and micro-batch.
+  BackwardWeight,
+};
 
+/// One operation of a program: `kind` of micro-batch `micro_batch` on stage `stage`.
 struct Op {
+  /// Forward, full backward, or one half of a split backward.
   OpKind kind;
+  /// The micro-batch (or time chunk) it works on.
   int64_t micro_batch;
+  /// The stage it runs.
   int64_t stage;
+  /// Same kind, micro-batch and stage.
   friend bool operator==(const Op& a, const Op& b) {
     return a.kind == b.kind && a.micro_batch == b.micro_batch && a.stage == b.stage;
   }
+  /// Not operator==.
   friend bool operator!=(const Op& a, const Op& b) { return !(a == b); }
 };
 
+/// The forward of `micro_batch` on `stage`.
 inline Op F(int64_t micro_batch, int64_t stage) { return Op{OpKind::Forward, micro_batch, stage}; }
+/// The full backward of `micro_batch` on `stage`.
 inline Op B(int64_t micro_batch, int64_t stage) { return Op{OpKind::Backward, micro_batch, stage}; }
+/// The input gradient (first half of a split backward) of `micro_batch` on `stage`.
 inline Op I(int64_t micro_batch, int64_t stage) {
   return Op{OpKind::BackwardInput, micro_batch, stage};
 }
+/// The weight gradient (second half of a split backward) of `micro_batch` on `stage`.
 inline Op W(int64_t micro_batch, int64_t stage) {
   return Op{OpKind::BackwardWeight, micro_batch, stage};
 }
@@ -118,6 +140,7 @@ inline std::string to_string(const Op& op) {
          std::to_string(op.stage) + ")";
 }
 
+/// Writes to_string(op).
 inline std::ostream& operator<<(std::ostream& out, const Op& op) { return out << to_string(op); }
 
 /// One rank's operations, in the order it runs them.
@@ -211,7 +234,7 @@ inline std::vector<Program> one_f_one_b(int64_t n_micro, int64_t n_stages) {
 
 /// Interleaved 1F1B (Megatron-LM): n_stages = d * virtual_stages stages on
 /// d ranks, stage s on rank s % d, so rank r holds the non-adjacent chunks r,
-/// r + d, ... Micro-batches move in groups of d: a rank runs a group's
+/// r + d, r + 2d and so on. Micro-batches move in groups of d: a rank runs a group's
 /// forwards chunk by chunk (backwards chunk by chunk in reverse), after
 /// 2 (d - r - 1) + (virtual_stages - 1) d warm-up forwards then one forward and
 /// one backward in turn. The bubble is about virtual_stages times smaller

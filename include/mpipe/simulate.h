@@ -25,9 +25,13 @@ namespace schedules {
 /// forward (and this stage's backward input from the next stage) by the time
 /// to move an activation or gradient across the boundary after this stage.
 struct StageCost {
+  /// The time of F.
   double forward = 1;
+  /// The time of I (the input gradient).
   double backward_input = 1;
+  /// The time of W (the weight gradient).
   double backward_weight = 1;
+  /// The time to hand an activation or gradient to or from the next stage.
   double transfer = 0;
 };
 
@@ -35,11 +39,17 @@ struct StageCost {
 /// stages alike, or one per stage.
 using Costs = std::vector<StageCost>;
 
+/// An operation as simulate() ran it: on which rank, from when to when.
 struct TimedOp {
+  /// The rank (worker) that ran it.
   int64_t rank;
+  /// The operation.
   Op op;
+  /// When it started.
   double start;
+  /// When it ended.
   double end;
+  /// Same rank, operation, start and end.
   friend bool operator==(const TimedOp& a, const TimedOp& b) {
     return a.rank == b.rank && a.op == b.op && a.start == b.start && a.end == b.end;
   }

@@ -34,7 +34,8 @@
 
 namespace mpipe {
 
-/// Keeps `tensor` under `name` for a later stage's pop (see above).
+/// Keeps `tensor` under `name` for pop() in the same or a later stage, for the
+/// current micro-batch or time step.
 void stash(const std::string& name, at::Tensor tensor);
 
 /// Takes the tensor an earlier stage (or this one) stashed under `name` for

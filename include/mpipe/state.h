@@ -65,7 +65,9 @@ namespace mpipe {
 
 /// Which micro-batch the current stage call serves.
 struct MicroBatch {
+  /// Its index, from 0.
   int64_t index = 0;
+  /// How many micro-batches the call has.
   int64_t count = 1;
 };
 
@@ -77,6 +79,7 @@ MicroBatch current_micro_batch() noexcept;
 /// uses it around each stage call, tests may use it to drive a module by hand.
 class MicroBatchGuard {
  public:
+  /// Makes `micro_batch` current until the guard is destroyed, then restores the previous one.
   explicit MicroBatchGuard(MicroBatch micro_batch) noexcept;
   ~MicroBatchGuard();
   MicroBatchGuard(const MicroBatchGuard&) = delete;
@@ -98,13 +101,16 @@ class PerMicroBatch {
     if (slots_.size() < static_cast<size_t>(mb.count)) slots_.resize(static_cast<size_t>(mb.count));
     return slots_[static_cast<size_t>(mb.index)];
   }
+  /// Drops every slot (a reset).
   void clear() { slots_.clear(); }
   /// Every slot, for Stateful::save_state (a copy of the vector: tensors share
   /// their storage, right when forward assigns new tensors to the slots).
   std::any save() const { return slots_; }
   /// Puts back what save() returned.
   void load(const std::any& saved) { slots_ = std::any_cast<const std::vector<T>&>(saved); }
+  /// Every slot, by micro-batch index (those used since the last clear()).
   std::vector<T>& slots() { return slots_; }
+  /// Every slot, by micro-batch index (those used since the last clear()).
   const std::vector<T>& slots() const { return slots_; }
 
  private:

@@ -25,8 +25,12 @@ using Tensors = std::vector<at::Tensor>;
 /// micro-batch gets whole (a mask shared by all rows, a lookup table); its
 /// gradient, if it needs one, is the sum over the micro-batches.
 struct Input {
+  /// `t` as a batched input.
   /* implicit */ Input(at::Tensor t) : tensor(std::move(t)) {}
+  /// The tensor.
   at::Tensor tensor;
+  /// Split along dim 0 into micro-batches (true), or given whole to every
+  /// micro-batch (false, mpipe::unbatched).
   bool batched = true;
 };
 

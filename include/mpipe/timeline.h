@@ -16,6 +16,7 @@
 
 namespace mpipe {
 
+/// What a timeline task did.
 enum class TaskKind {
   Forward,    ///< a stage's forward of one micro-batch or time step
   Backward,   ///< a stage's backward of one micro-batch (train_step)
@@ -25,35 +26,38 @@ enum class TaskKind {
   Copy,       ///< an activation or gradient copied between devices
 };
 
+/// "forward", "backward", "input gradient", "weight gradient", "recompute" or "copy".
 const char* to_string(TaskKind kind);
 
 /// One task. Times are milliseconds since the call began: on CUDA devices
 /// taken from timing events on the stage's stream (when the GPU ran the
 /// task), elsewhere from the host's steady clock (when the host ran it).
 struct TimelineTask {
-  int64_t stage = 0;
+  int64_t stage = 0;  ///< the stage it ran (a copy: the receiving stage)
   int64_t item = 0;  ///< micro-batch or time step
-  TaskKind kind = TaskKind::Forward;
-  c10::Device device = c10::kCPU;
-  double start_ms = 0;
-  double end_ms = 0;
+  TaskKind kind = TaskKind::Forward;  ///< what it did
+  c10::Device device = c10::kCPU;     ///< where it ran
+  double start_ms = 0;  ///< when it started
+  double end_ms = 0;    ///< when it ended
 };
 
+/// What one pipeline call did, task by task (ModelPipelineImpl::timeline()).
 struct Timeline {
   std::string method;     ///< "forward", "train_step", ...
   std::string item_name;  ///< "micro-batch" or "time step"
-  int64_t n_stages = 0;
-  int64_t n_items = 0;
-  std::vector<c10::Device> stage_devices;
+  int64_t n_stages = 0;   ///< the pipeline's stages
+  int64_t n_items = 0;    ///< the call's micro-batches or time steps
+  std::vector<c10::Device> stage_devices;  ///< each stage's device
   /// The schedule that ran ("1F1B", ...; empty for forward-type calls).
   std::string schedule;
   /// The worker that ran each stage (interleaved schedules run several stages
   /// on one worker); empty: stage s on worker s.
   std::vector<int64_t> stage_ranks;
-  std::vector<TimelineTask> tasks;
+  std::vector<TimelineTask> tasks;  ///< every task, copies included
   /// The schedule's idle fraction with unit costs (schedules::bubble).
   double schedule_bubble = 0;
 
+  /// Whether no task was recorded.
   bool empty() const { return tasks.empty(); }
   /// The worker of `stage` (stage_ranks[stage], or stage).
   int64_t rank_of(int64_t stage) const;
@@ -71,9 +75,10 @@ struct Timeline {
   /// A self-contained SVG Gantt chart: a row per worker, a colour per item,
   /// backward darker than forward, a time axis, and both bubble fractions.
   std::string to_svg() const;
-  /// Write to_chrome_trace() / to_svg() to `path`; throw c10::Error if the
-  /// file cannot be written.
+  /// Writes to_chrome_trace() to `path`; throws c10::Error if the file
+  /// cannot be written.
   void save_chrome_trace(const std::string& path) const;
+  /// Writes to_svg() to `path`; throws c10::Error if the file cannot be written.
   void save_svg(const std::string& path) const;
 };
 

@@ -51,6 +51,7 @@ namespace snn {
 /// call on [T*N, ...].
 class SeqToANNImpl : public torch::nn::Module {
  public:
+  /// The layers of `layers`, in order.
   explicit SeqToANNImpl(torch::nn::Sequential layers)
       : layers_(register_module("layers", std::move(layers))) {}
   /// The layers, in order: SeqToANN(torch::nn::Conv2d(...), torch::nn::BatchNorm2d(...)).
@@ -71,20 +72,25 @@ class SeqToANNImpl : public torch::nn::Module {
     shape.insert(shape.end(), y.sizes().begin() + 1, y.sizes().end());
     return y.reshape(shape);
   }
+  /// The layers (registered as submodule "layers").
   torch::nn::Sequential layers() const { return layers_; }
 
+  /// Prints `mpipe::snn::SeqToANN` (its layers follow as submodules).
   void pretty_print(std::ostream& stream) const override { stream << "mpipe::snn::SeqToANN"; }
 
  private:
   torch::nn::Sequential layers_;
 };
+/// A holder for SeqToANNImpl, as torch::nn's modules have.
 TORCH_MODULE(SeqToANN);
 
 /// Single-step layers applied step by step to a [T, N, ...] sequence.
 class MultiStepImpl : public torch::nn::Module {
  public:
+  /// The layers of `layers`, in order.
   explicit MultiStepImpl(torch::nn::Sequential layers)
       : layers_(register_module("layers", std::move(layers))) {}
+  /// The layers, in order: MultiStep(torch::nn::BatchNorm2d(c), snn::IFNode()).
   template <typename... Ms,
             typename = std::enable_if_t<detail::is_layer_list<MultiStepImpl, Ms...>()>>
   explicit MultiStepImpl(Ms&&... layers)
@@ -101,13 +107,16 @@ class MultiStepImpl : public torch::nn::Module {
     if (out.empty()) return x;
     return at::stack(out);
   }
+  /// The layers (registered as submodule "layers").
   torch::nn::Sequential layers() const { return layers_; }
 
+  /// Prints `mpipe::snn::MultiStep` (its layers follow as submodules).
   void pretty_print(std::ostream& stream) const override { stream << "mpipe::snn::MultiStep"; }
 
  private:
   torch::nn::Sequential layers_;
 };
+/// A holder for MultiStepImpl, as torch::nn's modules have.
 TORCH_MODULE(MultiStep);
 
 }  // namespace snn

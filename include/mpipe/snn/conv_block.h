@@ -27,6 +27,7 @@ namespace snn {
 /// IF or LIF neuron options.
 using NeuronOptions = std::variant<IFNodeOptions, LIFNodeOptions>;
 
+/// Options of SpikingConvBlock: the convolution, BatchNorm, neuron and pooling.
 struct SpikingConvBlockOptions {
   /// A kernel_size x kernel_size convolution with "same" padding and no bias
   /// (the BatchNorm after it has one); change any of that through conv().
@@ -34,6 +35,7 @@ struct SpikingConvBlockOptions {
       : conv_(torch::nn::Conv2dOptions(in_channels, out_channels, kernel_size)
                   .padding(kernel_size / 2)
                   .bias(false)) {}
+  /// The convolution's options.
   TORCH_ARG(torch::nn::Conv2dOptions, conv);
   /// BatchNorm2d(out_channels) after the convolution.
   TORCH_ARG(bool, batch_norm) = true;
@@ -51,8 +53,12 @@ struct SpikingConvBlockOptions {
   TORCH_ARG(bool, step_batch_stats) = true;
 };
 
+/// Conv2d -> BatchNorm2d -> IF or LIF neuron (-> MaxPool2d), in either step
+/// mode (the neuron's).
 class SpikingConvBlockImpl : public torch::nn::Module {
  public:
+  /// Builds and registers "conv", "bn" (if options.batch_norm()), "neuron" and
+  /// "pool" (if options.pool() > 0); throws c10::Error if pool < 0.
   explicit SpikingConvBlockImpl(SpikingConvBlockOptions options_) : options(std::move(options_)) {
     TORCH_CHECK(options.pool() >= 0, "mpipe::snn::SpikingConvBlock: pool must be >= 0 (0: no "
                 "pooling), got ", options.pool());
@@ -103,14 +109,20 @@ class SpikingConvBlockImpl : public torch::nn::Module {
     return y.view(unflat(y, T, N));
   }
 
+  /// Prints `mpipe::snn::SpikingConvBlock` (its layers follow as submodules).
   void pretty_print(std::ostream& stream) const override {
     stream << "mpipe::snn::SpikingConvBlock";
   }
 
+  /// The options it was built with.
   const SpikingConvBlockOptions options;
+  /// The convolution.
   torch::nn::Conv2d conv{nullptr};
+  /// The BatchNorm, or empty without options.batch_norm().
   torch::nn::BatchNorm2d bn{nullptr};
+  /// The neuron (an IFNodeImpl or LIFNodeImpl); its step mode is the block's.
   std::shared_ptr<NeuronBase> neuron;
+  /// The max-pooling, or empty when options.pool() is 0.
   torch::nn::MaxPool2d pool{nullptr};
 
  private:
@@ -120,6 +132,7 @@ class SpikingConvBlockImpl : public torch::nn::Module {
     return shape;
   }
 };
+/// A holder for SpikingConvBlockImpl, as torch::nn's modules have.
 TORCH_MODULE(SpikingConvBlock);
 
 }  // namespace snn

@@ -47,11 +47,15 @@ struct NeuronSpec;  // mpipe/detail/snn/neuron_math.h
 
 namespace snn {
 
+/// Options of IFNode, the integrate-and-fire neuron (SpikingJelly's defaults).
 struct IFNodeOptions {
+  /// The membrane potential at which the neuron fires.
   TORCH_ARG(double, v_threshold) = 1.0;
   /// A number for hard reset; std::nullopt for soft reset.
   TORCH_ARG(std::optional<double>, v_reset) = 0.0;
+  /// Reset with the spike detached from autograd.
   TORCH_ARG(bool, detach_reset) = false;
+  /// The surrogate gradient of the spike.
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
   /// One fused kernel per step and direction instead of separate ATen ops.
   TORCH_ARG(bool, fused) = true;
@@ -64,13 +68,19 @@ struct IFNodeOptions {
   TORCH_ARG(StepMode, step_mode) = StepMode::Single;
 };
 
+/// Options of LIFNode, the leaky integrate-and-fire neuron (SpikingJelly's defaults).
 struct LIFNodeOptions {
   /// Membrane time constant; must be > 1.
   TORCH_ARG(double, tau) = 2.0;
+  /// Charge v + (x - (v - v_reset)) / tau (true) or v - (v - v_reset) / tau + x (false).
   TORCH_ARG(bool, decay_input) = true;
+  /// The membrane potential at which the neuron fires.
   TORCH_ARG(double, v_threshold) = 1.0;
+  /// A number for hard reset; std::nullopt for soft reset.
   TORCH_ARG(std::optional<double>, v_reset) = 0.0;
+  /// Reset with the spike detached from autograd.
   TORCH_ARG(bool, detach_reset) = false;
+  /// The surrogate gradient of the spike.
   TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
   /// One fused kernel per step and direction instead of separate ATen ops.
   TORCH_ARG(bool, fused) = true;
@@ -93,12 +103,14 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   /// T time steps of `x_seq` [T, N, ...] (T may be 0); returns the spikes
   /// [T, N, ...]. Equal, values and gradients, to T single_step calls.
   at::Tensor multi_step(const at::Tensor& x_seq);
+  /// How forward takes time: one step or a sequence per call.
   StepMode step_mode() const noexcept { return step_mode_; }
   /// Changes how forward takes time (the state is kept).
   void set_step_mode(StepMode mode) noexcept { step_mode_ = mode; }
   void reset_state() override { v_.clear(); }
   bool holds_state() const override { return !v_.slots().empty(); }
-  /// Snapshots for checkpointing and failed calls (Note [State snapshots]).
+  /// True: the state can be saved and put back, for checkpointing and failed
+  /// calls (Note [State snapshots]).
   bool supports_state_snapshots() const override { return true; }
   std::any save_state() const override { return v_.save(); }
   void load_state(const std::any& state) override { v_.load(state); }
@@ -139,26 +151,37 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   PerMicroBatch<at::Tensor> v_;
 };
 
+/// Integrate-and-fire neuron: v = v + x, then fire and reset (see the header's comment).
 class IFNodeImpl : public NeuronBase {
  public:
+  /// A neuron with `options`.
   explicit IFNodeImpl(IFNodeOptions options = {});
+  /// Prints `mpipe::snn::IFNode(v_threshold=..., v_reset=..., ...)`.
   void pretty_print(std::ostream& stream) const override;
+  /// The options it was built with.
   const IFNodeOptions options;
 
  protected:
   at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const override;
 };
+/// A holder for IFNodeImpl, as torch::nn's modules have.
 TORCH_MODULE(IFNode);
 
+/// Leaky integrate-and-fire neuron: v decays towards v_reset with time
+/// constant tau while it charges, then fires and resets (see the header's comment).
 class LIFNodeImpl : public NeuronBase {
  public:
+  /// A neuron with `options`; throws c10::Error unless tau is finite and > 1.
   explicit LIFNodeImpl(LIFNodeOptions options = {});
+  /// Prints `mpipe::snn::LIFNode(tau=..., decay_input=..., v_threshold=..., ...)`.
   void pretty_print(std::ostream& stream) const override;
+  /// The options it was built with.
   const LIFNodeOptions options;
 
  protected:
   at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const override;
 };
+/// A holder for LIFNodeImpl, as torch::nn's modules have.
 TORCH_MODULE(LIFNode);
 
 /// Whether this build holds the fused neuron CUDA kernels (built into

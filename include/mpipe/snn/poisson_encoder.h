@@ -17,8 +17,10 @@ namespace snn {
 /// Each call draws fresh spikes (reproducibly: README, "Random draws").
 class PoissonEncoderImpl : public torch::nn::Module {
  public:
+  /// poisson_encode(x): spikes, 1 with probability x, in x's dtype.
   at::Tensor forward(const at::Tensor& x) { return poisson_encode(x); }
 };
+/// A holder for PoissonEncoderImpl, as torch::nn's modules have.
 TORCH_MODULE(PoissonEncoder);
 
 }  // namespace snn

@@ -18,6 +18,7 @@ class Module;
 namespace mpipe {
 namespace snn {
 
+/// How an SNN layer takes time: one step or a [T, N, ...] sequence per call.
 enum class StepMode {
   /// Each call is one time step: input [N, ...], output [N, ...].
   Single,
@@ -26,9 +27,11 @@ enum class StepMode {
   Multi,
 };
 
+/// "single" or "multi".
 inline const char* to_string(StepMode mode) {
   return mode == StepMode::Single ? "single" : "multi";
 }
+/// Writes to_string(mode).
 inline std::ostream& operator<<(std::ostream& os, StepMode mode) { return os << to_string(mode); }
 
 /// Sets the step mode of every mpipe::snn neuron in `module` (itself

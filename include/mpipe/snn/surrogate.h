@@ -18,13 +18,23 @@
 namespace mpipe {
 namespace snn {
 
+/// A surrogate gradient: the spike's step function forward, a smooth
+/// function's derivative backward (the functions in the header's comment).
 class Surrogate {
  public:
-  enum class Kind { Sigmoid, ATan };
+  /// Which smooth function.
+  enum class Kind {
+    /// g(x) = sigmoid(alpha x).
+    Sigmoid,
+    /// g(x) = atan(pi/2 alpha x) / pi + 1/2.
+    ATan,
+  };
 
   /// The default: Sigmoid with alpha 4.
   Surrogate() = default;
+  /// Sigmoid with `alpha` (positive and finite, else c10::Error).
   static Surrogate sigmoid(double alpha = 4.0) { return Surrogate(Kind::Sigmoid, alpha); }
+  /// ATan with `alpha` (positive and finite, else c10::Error).
   static Surrogate atan(double alpha = 2.0) { return Surrogate(Kind::ATan, alpha); }
 
   /// Spike: 1 where x >= 0, else 0 (x's dtype); gradient g'(x).
@@ -34,8 +44,11 @@ class Surrogate {
   /// g'(x), as used in backward.
   at::Tensor derivative(const at::Tensor& x) const;
 
+  /// Sigmoid or ATan.
   Kind kind() const noexcept { return kind_; }
+  /// The steepness alpha.
   double alpha() const noexcept { return alpha_; }
+  /// The kind and alpha, as "Sigmoid(alpha=4)" or "ATan(alpha=2)".
   std::string name() const;
 
  private:
