@@ -95,8 +95,12 @@ StageForward stage_forward(M* m) {
 }
 }  // namespace detail
 
+/// A model split into stages, each on its own device, with micro-batches or
+/// time steps streamed through them; use it through the holder
+/// mpipe::ModelPipeline (`pipe->append(...)`, `pipe->forward(...)`).
 class ModelPipelineImpl : public torch::nn::Module {
  public:
+  /// An empty pipeline with `options` (mpipe/pipeline_options.h).
   explicit ModelPipelineImpl(ModelPipelineOptions options = {});
   ~ModelPipelineImpl() override;
   ModelPipelineImpl(const ModelPipelineImpl&) = delete;
@@ -121,11 +125,13 @@ class ModelPipelineImpl : public torch::nn::Module {
     ModuleType* raw = module.get();
     return append_stage(std::move(module), detail::stage_forward(raw), device);
   }
+  /// append for a module holder (torch::nn::Sequential, torch::nn::Linear, ...).
   template <typename ModuleType>
   ModelPipelineImpl& append(const torch::nn::ModuleHolder<ModuleType>& module,
                             const DeviceArg& device) {
     return append(module.ptr(), device);
   }
+  /// append for an AnyModule: one tensor in, one tensor out.
   ModelPipelineImpl& append(torch::nn::AnyModule module, const DeviceArg& device);
 
   /// Splits `x` along dim 0 into micro-batches, streams them through the
@@ -228,24 +234,27 @@ class ModelPipelineImpl : public torch::nn::Module {
 
   /// Number of stages.
   size_t size() const noexcept;
+  /// Whether no stage was appended yet.
   bool is_empty() const noexcept { return size() == 0; }
   /// Stage `index`'s module.
   std::shared_ptr<torch::nn::Module> stage(size_t index) const;
   /// The device stage `index` runs on.
   c10::Device device(size_t index) const;
+  /// Every stage's device, in stage order.
   const std::vector<c10::Device>& devices() const noexcept;
   /// Where forward's and constant_forward's results live: the last stage's device.
   c10::Device output_device() const;
 
-  /// Stateful modules in the stages keep one state per micro-batch of forward
-  /// (Note [Per-micro-batch state], mpipe/state.h); reset them all with
-  /// mpipe::reset_states(*pipeline).
+  // Stateful modules in the stages keep one state per micro-batch of forward
+  // (Note [Per-micro-batch state], mpipe/state.h); reset them all with
+  // mpipe::reset_states(*pipeline).
 
-  /// Note [Moving a pipeline]: a pipeline's placement is its point, so a move
-  /// of the whole pipeline to one device is refused unless every stage is
-  /// already there. Dtype casts are allowed and keep each stage on its device.
+  /// Refused unless every stage is already on `device`; then casts to `dtype`
+  /// (Note [Moving a pipeline]: a pipeline's placement is its point).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  /// Casts every stage to `dtype` where it is.
   void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// Refused unless every stage is already on `device` (then nothing moves).
   void to(torch::Device device, bool non_blocking = false) override;
 
   /// Loads like Module::load, then puts each stage back on its device (an
@@ -268,8 +277,10 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// options.track_memory, the caching allocator's figures of the last call
   /// on each CUDA device (print it with MemoryReport::to_string()).
   MemoryReport memory_report() const;
+  /// Prints "mpipe::ModelPipeline(devices=[cpu, cuda:0, ...])".
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options the pipeline was built with.
   ModelPipelineOptions options;
 
  private:

@@ -17,6 +17,7 @@
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
 #include <mpipe/skip.h>
+#include <mpipe/split.h>
 #include <mpipe/state.h>
 #include <mpipe/tensors.h>
 #include <mpipe/timeline.h>

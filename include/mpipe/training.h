@@ -21,6 +21,8 @@
 
 namespace mpipe {
 
+/// How loss_fn reduces over the rows it is given, and so how train_step
+/// weighs the micro-batches.
 enum class LossReduction {
   /// The loss function returns the mean over the rows it is given; the step's
   /// gradients are those of the mean over the whole batch.
@@ -60,7 +62,9 @@ struct TrainStepOptions {
   Split split_;
 
  public:
+  /// The order of forwards and backwards (mpipe/schedule.h); GPipe by default.
   TORCH_ARG(Schedule, schedule) = Schedule::GPipe;
+  /// What loss_fn returns: the mean over its rows (default) or their sum.
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
   /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it
   /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B. train_step
@@ -95,7 +99,7 @@ struct TrainStepOptions {
 
 /// One candidate of choose_schedule, with what the model predicts for it.
 struct SchedulePrediction {
-  Schedule schedule;
+  Schedule schedule;        ///< the candidate
   double time = 0;          ///< schedules::makespan with the stage costs
   double bubble = 0;        ///< schedules::bubble with the stage costs
   double peak_memory = 0;   ///< a device's most activation bytes (Note [Choosing a schedule])
@@ -103,9 +107,10 @@ struct SchedulePrediction {
   bool fits = true;         ///< peak_memory <= memory_limit (or no limit)
 };
 
+/// What choose_schedule picked, and every candidate's prediction.
 struct ScheduleChoice {
-  Schedule schedule;
-  std::vector<SchedulePrediction> candidates;
+  Schedule schedule;                            ///< the pick
+  std::vector<SchedulePrediction> candidates;   ///< in the order they were weighed
 };
 
 // Note [Choosing a schedule]
