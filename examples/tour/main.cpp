@@ -252,12 +252,18 @@ Sequential make_stage(int64_t s) {
   return Sequential(Linear(16, 16), Tanh());
 }
 
-bool across_processes(torch::Device device) {
+bool across_processes(torch::Device) {
+  // A GPU of its own per rank of this machine, else the CPU: two ranks
+  // cannot share one GPU over NCCL.
+  auto env = [](const char* name) { return std::atoll(std::getenv(name) ? std::getenv(name) : "0"); };
+  const bool gpus = torch::cuda::device_count() >= env("LOCAL_WORLD_SIZE");
+  const torch::Device device = gpus ? torch::Device(torch::kCUDA, env("LOCAL_RANK"))
+                                    : torch::Device(torch::kCPU);
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
     return functional::mse_loss(out, y);
   };
   torch::manual_seed(7);
-  auto x = torch::randn({64, 16}), y = torch::randn({64, 16});
+  auto x = torch::randn({64, 16}).to(device), y = torch::randn({64, 16}).to(device);
 
   auto group = mpipe::distributed::init_from_env();   // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group));
@@ -269,7 +275,11 @@ bool across_processes(torch::Device device) {
 
   if (!group.is_last()) return !loss.defined();
   torch::Tensor h = x;                                // the plain model, on one rank
-  for (int64_t s = 0; s < 4; ++s) h = make_stage(s)->forward(h);
+  for (int64_t s = 0; s < 4; ++s) {
+    auto stage = make_stage(s);
+    stage->to(device);
+    h = stage->forward(h);
+  }
   return close(loss, loss_fn(h, y));
 }
 
