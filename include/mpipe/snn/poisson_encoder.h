@@ -14,7 +14,7 @@ namespace mpipe {
 namespace snn {
 
 /// poisson_encode as a module, e.g. the first layer of a pipeline's stage 0.
-/// Each call draws fresh spikes (reproducibly: README, "Random draws").
+/// Each call draws fresh spikes (reproducibly: docs/design.md, "Random draws").
 class PoissonEncoderImpl : public torch::nn::Module {
  public:
   /// poisson_encode(x): spikes, 1 with probability x, in x's dtype.
