@@ -20,3 +20,20 @@ foreach(w snn-1024 snn-256)
   string(JSON ms GET "${text}" workloads ${w} mpipe_constant_train_ms)
 endforeach()
 message(STATUS "bench smoke OK: snn-256 mpipe_constant_train_ms = ${ms}")
+# A guard on the runtime's hot path: each call kind's time against the plain
+# loop of the same stage calls (4 stages of Linear(4, 4), 8 one-row
+# micro-batches). On the CPU the ratios are 1.3 to 3 (bench/RESULTS.md); a
+# ratio above 6 means the runtime's cost per task more than doubled.
+if(NOT BUILD_TYPE MATCHES "^(Release|RelWithDebInfo|MinSizeRel)$")
+  message(STATUS "bench smoke: ${BUILD_TYPE} build, overhead ratios not guarded")
+  return()
+endif()
+foreach(key forward_inline_to_plain forward_threads_to_plain train_step_inline_to_plain
+            train_step_threads_to_plain)
+  string(JSON ratio GET "${text}" workloads overhead ${key})
+  if(ratio GREATER 6)
+    message(FATAL_ERROR "overhead ${key} = ${ratio}: the pipeline's cost per task regressed "
+                        "(more than 6x the plain loop of the same stage calls)")
+  endif()
+  message(STATUS "bench smoke: overhead ${key} = ${ratio}")
+endforeach()

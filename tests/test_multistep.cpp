@@ -653,3 +653,60 @@ TEST(TimeChunks, EqualSingleStepStagesOnTheGpuEagerAndGraphed_CUDA) {
     }
   }
 }
+
+namespace {
+
+/// Identity that counts how often its host code runs (a CUDA-graph replay
+/// runs none). Single- and multi-step alike: it passes any shape on.
+struct CountingImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    return x;
+  }
+  int64_t calls = 0;
+};
+TORCH_MODULE(Counting);
+
+/// The steps of `seq` [T, ...] added one at a time, as single steps add them.
+torch::Tensor loop_sum(const torch::Tensor& seq) {
+  torch::Tensor acc = seq[0];
+  for (int64_t t = 1; t < seq.size(0); ++t) acc = acc + seq[t];
+  return acc;
+}
+
+}  // namespace
+
+// Note [Summing a chunk's steps]: on CUDA, float chunks are summed by one
+// cumsum kernel, which must add exactly as the loop does. The last stage is a
+// Linear, so its outputs are not spikes and the order of additions shows.
+TEST(TimeChunks, SumsOverStepsAddInStepOrderAndGraphedCallsReplay_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  TwinStages twin(64, torch::kFloat);
+  for (auto& fc : twin.fc) fc->to(torch::kCUDA);
+  torch::nn::Linear head(64, 16);
+  head->to(torch::kCUDA);
+  const int64_t T = 12, N = 32;
+  auto x = torch::rand({N, 64}, torch::TensorOptions(torch::kCUDA)) * 1.5;
+  auto frames = torch::rand({T, N, 64}, torch::TensorOptions(torch::kCUDA)) * 1.5;
+  torch::NoGradGuard no_grad;
+  for (bool graphs : {false, true}) {
+    Counting counting;
+    ModelPipeline multi(ModelPipelineOptions().cuda_graphs(graphs).reset_state_each_call(true));
+    for (size_t s = 0; s < 3; ++s) multi->append(twin.multi[s], "cuda:0");
+    multi->append(torch::nn::Sequential(counting, SeqToANN(head)), "cuda:0");
+    for (int64_t k : {1, 3, 4, 12}) {
+      SCOPED_TRACE("cuda_graphs=" + std::to_string(graphs) + " time_chunk " + std::to_string(k));
+      const auto steps = multi->constant_forward(x, T, false, k).view({T, N, 16});
+      ASSERT_GT(steps.abs().sum().item<double>(), 0.0);
+      const auto seq_steps = multi->sequence_forward(frames, false, k);
+      int64_t calls = 0;
+      for (int rep = 0; rep < 3; ++rep) {  // graphed: captured, then replayed
+        if (rep == 2) calls = counting->calls;
+        EXPECT_TRUE(torch::equal(multi->constant_forward(x, T, true, k), loop_sum(steps)));
+        EXPECT_TRUE(torch::equal(multi->sequence_forward(frames, true, k), loop_sum(seq_steps)));
+      }
+      if (graphs) EXPECT_EQ(counting->calls, calls) << "the third calls must be replays";
+    }
+    if (graphs) EXPECT_EQ(multi->cuda_graphs_captured(), 16u) << "2 methods x 2 reductions x 4 chunks";
+  }
+}

@@ -12,6 +12,7 @@
 
 #include "mpipe/detail/cuda/device_probe.h"
 
+#include "mpipe/linear.h"
 #include "mpipe/state.h"
 
 #include <c10/util/Exception.h>
@@ -78,6 +79,9 @@ MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append_stage(
   s.executor.add_stage(resolved);
   s.drop_graphs();
   s.stateful.push_back(detail::find_stateful(module));
+  for (const auto& m : module->modules()) {
+    s.cast_linears |= dynamic_cast<const LinearImpl*>(m.get()) != nullptr;
+  }
   s.stages->push_back(std::move(module));
   s.forwards.push_back(std::move(forward));
   s.devices.push_back(resolved);

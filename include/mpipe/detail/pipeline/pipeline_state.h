@@ -48,6 +48,7 @@ struct ModelPipelineImpl::State {
   detail::Executor executor;
   std::shared_ptr<detail::GraphCache> graphs;  // null without CUDA
   bool in_graphed_step = false;  // run_step is capturing or warming up a graph
+  bool cast_linears = false;     // a stage holds an mpipe::Linear (Note [Graphs or summed casts])
   mutable std::mutex call_mutex;  // one call at a time: stages' state must see calls in order
   std::shared_ptr<detail::Recorder> pending_timeline;  // the last recorded call
   Timeline timeline;                                   // ...once resolved
@@ -105,6 +106,7 @@ struct ModelPipelineImpl::State {
   at::Tensor run_step(const detail::GraphKey& key, const at::Tensor& x, const at::Tensor& target,
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                      bool)>& eager);
+  bool casts_beat_graphs(const at::Tensor& x) const;
   bool step_graphable(const at::Tensor& x, const at::Tensor& target) const;
   void drop_graphs();
   std::shared_ptr<detail::Recorder> start_recording(const char* method, const char* item_name,

@@ -12,6 +12,7 @@
 
 #include "mpipe/detail/distributed/group.h"
 #include "mpipe/detail/cuda/device_probe.h"
+#include "mpipe/detail/precision/autocast.h"
 #include "mpipe/detail/runtime/rng.h"
 #include "mpipe/detail/runtime/scatter.h"
 #include "mpipe/detail/runtime/streams.h"
@@ -19,6 +20,7 @@
 #include "mpipe/state.h"
 
 #include <ATen/Functions.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
@@ -73,6 +75,7 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
 MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
                                                       const std::vector<Input>& inputs,
                                                       const at::Tensor& target) {
+  RECORD_USER_SCOPE(std::string("mpipe::") + kind.method);  // the call, for profilers
   const bool threaded = self.options.worker_threads();
   // State does not outlive a constant_train_step, whatever happens. The
   // rollback (guarded) is set up before, so a failed step ends with the state
@@ -122,7 +125,11 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::run_plan(Plan plan, bool threaded) {
-  execute(plan.spec, threaded);
+  {
+    RECORD_USER_SCOPE("mpipe::execute");
+    execute(plan.spec, threaded);
+  }
+  RECORD_USER_SCOPE("mpipe::results");
   return plan.results(plan.spec);
 }
 
@@ -226,10 +233,26 @@ MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
   return graphable(x);
 }
 
+// Note [Graphs or summed casts]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A graphed training step keeps autograd's way with cast weights: every
+// micro-batch converts its weight gradient to float32 and adds it on its own
+// (Note [Cast gradients per step] explains why the capture cannot sum them).
+// Under autocast with mpipe::Linear stages, the eager step sums them in bf16
+// instead, and that saves more than a replay does: measured on an H200,
+// wide-mlp-bf16-linear's graphed step took 60.6 ms against 49.3 ms eager
+// (bench/RESULTS.md). So such a step runs eagerly, cuda_graphs or not, unless
+// accumulate_cast_grads is off.
+MPIPE_FUNC bool ModelPipelineImpl::State::casts_beat_graphs(const at::Tensor& x) const {
+  if (!self.options.accumulate_cast_grads() || !cast_linears) return false;
+  const auto autocast = detail::AutocastState::current();
+  return x.is_cuda() ? autocast.cuda : autocast.cpu;
+}
+
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
     const GraphKey& key, const at::Tensor& x, const at::Tensor& target,
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
-  if (self.options.cuda_graphs() && step_graphable(x, target)) {
+  if (self.options.cuda_graphs() && step_graphable(x, target) && !casts_beat_graphs(x)) {
     detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
     struct Flag {  // graphed steps keep autograd's accumulation (Note [Cast gradients per step])
       bool& on;

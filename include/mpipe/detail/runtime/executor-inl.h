@@ -18,6 +18,7 @@
 #include "mpipe/state.h"
 
 #include <ATen/Functions.h>
+#include <ATen/record_function.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
@@ -118,6 +119,11 @@ MPIPE_FUNC std::exception_ptr Executor::describe_failure(const CallSpec& call, c
 
 MPIPE_FUNC bool Executor::run_action(Run& run, const schedules::Op& op) {
   using schedules::OpKind;
+  // Named scopes for profilers (Kineto, torch.profiler): each action, its kind.
+  RECORD_USER_SCOPE(op.kind == OpKind::Forward          ? "mpipe::forward"
+                    : op.kind == OpKind::BackwardInput  ? "mpipe::input_gradient"
+                    : op.kind == OpKind::BackwardWeight ? "mpipe::weight_gradient"
+                                                        : "mpipe::backward");
   const int64_t j = op.stage, i = op.micro_batch;
   const bool chunks = run.call->time_chunks.multi();
   const char* phase = !run.call->training || (run.call->chained && op.kind == OpKind::Forward)
