@@ -3,6 +3,8 @@
 
 #include "common.h"
 
+#include <mpipe/autocast.h>
+#include <mpipe/linear.h>
 #include <mpipe/snn.h>
 
 #include <map>
@@ -343,4 +345,40 @@ TEST(CudaGraphs, GraphedTrainStepKeepsDeferredBatchNormStatisticsLikeEager_CUDA)
   EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
   EXPECT_EQ(host->calls, calls_after_capture) << "steps 2 to 4 are replays";
   EXPECT_EQ(bn_graphed->num_batches_tracked.item<int64_t>(), 5);
+}
+
+// Note [Graphs or summed casts]: under autocast, a step with mpipe::Linear
+// stages sums its cast weights' gradients eagerly, which beats a replay; with
+// accumulate_cast_grads off it is captured and replayed as any other.
+TEST(CudaGraphs, StepsThatSumCastGradientsRunEagerly_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  for (bool sum_casts : {true, false}) {
+    SCOPED_TRACE(sum_casts ? "accumulate_cast_grads" : "accumulate_cast_grads(false)");
+    torch::manual_seed(4);
+    HostCalls host;
+    auto pipe = ModelPipeline(
+        ModelPipelineOptions().cuda_graphs(true).accumulate_cast_grads(sum_casts));
+    pipe->append(torch::nn::Sequential(host, mpipe::Linear(16, 16), torch::nn::ReLU()), "cuda:0")
+        .append(torch::nn::Sequential(mpipe::Linear(16, 4)), "cuda:0");
+    auto x = torch::randn({8, 16}, torch::Device("cuda:0"));
+    auto y = torch::randn({8, 4}, torch::Device("cuda:0"));
+    auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+      return torch::mse_loss(o.to(torch::kFloat), t);
+    };
+    std::vector<int64_t> calls;
+    for (int step = 0; step < 4; ++step) {
+      mpipe::AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+      calls.push_back(host->calls);
+      EXPECT_TRUE(torch::isfinite(pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(4)))
+                      .item<bool>());
+    }
+    calls.push_back(host->calls);
+    if (sum_casts) {
+      EXPECT_EQ(pipe->cuda_graphs_captured(), 0u);
+      EXPECT_GT(calls[4], calls[3]) << "the fourth step ran eagerly";
+    } else {
+      EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+      EXPECT_EQ(calls[4], calls[2]) << "steps 3 and 4 are replays";
+    }
+  }
 }

@@ -42,8 +42,11 @@ struct ModelPipelineOptions {
   /// and replay them (one graph per method, arguments and input shape).
   /// Stateful modules then start every graphed call from their reset state
   /// and are reset after it. Needs a CUDA build of LibTorch; elsewhere, or
-  /// when a call does not qualify, the call runs as usual. See Notes [CUDA
-  /// graphs] and [Graphed training steps].
+  /// when a call does not qualify, the call runs as usual. A training step
+  /// under autocast whose stages hold mpipe::Linear layers runs eagerly while
+  /// accumulate_cast_grads is on: its summed cast gradients save more than a
+  /// replay does (Note [Graphs or summed casts]). See Notes [CUDA graphs] and
+  /// [Graphed training steps].
   TORCH_ARG(bool, cuda_graphs) = false;
   /// forward() on CUDA: each stage spreads its micro-batches over this many
   /// streams (micro-batch i on lane i % lanes), so up to `lanes` micro-batches
@@ -62,8 +65,9 @@ struct ModelPipelineOptions {
   /// addition per weight and micro-batch (a quarter of a bf16 wide-MLP step).
   /// Off: each micro-batch's gradient is converted and added on its own, as
   /// in a plain gradient-accumulation loop (more precise sums, slower). Hooks
-  /// on such a weight do not see the per-step sum; graphed steps always run
-  /// as if off. See Note [Cast gradients per step].
+  /// on such a weight do not see the per-step sum. With cuda_graphs, such steps
+  /// run eagerly (Note [Graphs or summed casts]); set this off to have them
+  /// replayed instead. See Note [Cast gradients per step].
   TORCH_ARG(bool, accumulate_cast_grads) = true;
   /// How the stages take time in constant_forward, sequence_forward and
   /// constant_train_step. Single (the default): one time step per stage
