@@ -33,7 +33,8 @@ namespace detail {
 // the autocast dtype are what autograd's own accumulation of a shared tensor's
 // gradients does; the option accumulate_cast_grads(false) turns this off.
 // Hooks registered on the weight do not see these gradients (they are added
-// by flush, not by autograd); graphed steps keep autograd's way.
+// by flush, not by autograd). A graphed step would keep autograd's way, so
+// with cuda_graphs such steps run eagerly (Note [Graphs or summed casts]).
 
 MPIPE_INLINE_VAR thread_local CastGrads* t_cast_grads = nullptr;
 
