@@ -236,4 +236,16 @@ inline std::string schedule_name(mpipe::Schedule s) {
     }                                                                               \
   } while (0)
 
+/// Identity that counts how often its host code runs: a CUDA-graph replay
+/// runs none, so an unchanged count proves a replay, a grown one an eager run.
+/// It passes any shape on (single- and multi-step stages alike).
+struct HostCallsImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    return x;
+  }
+  int64_t calls = 0;
+};
+TORCH_MODULE(HostCalls);
+
 }  // namespace mpipe_test

@@ -13,21 +13,6 @@ using namespace mpipe_test;
 using mpipe::ModelPipeline;
 using mpipe::ModelPipelineOptions;
 
-namespace {
-
-/// Identity that counts how often its host code runs: a CUDA-graph replay
-/// runs none, so an unchanged count proves a replay, a grown one an eager run.
-struct HostCallsImpl : torch::nn::Module {
-  torch::Tensor forward(const torch::Tensor& x) {
-    ++calls;
-    return x;
-  }
-  int64_t calls = 0;
-};
-TORCH_MODULE(HostCalls);
-
-}  // namespace
-
 TEST(CudaGraphs, GraphedForwardMatchesEagerForward_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   torch::manual_seed(17);

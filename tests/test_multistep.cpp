@@ -656,17 +656,6 @@ TEST(TimeChunks, EqualSingleStepStagesOnTheGpuEagerAndGraphed_CUDA) {
 
 namespace {
 
-/// Identity that counts how often its host code runs (a CUDA-graph replay
-/// runs none). Single- and multi-step alike: it passes any shape on.
-struct CountingImpl : torch::nn::Module {
-  torch::Tensor forward(const torch::Tensor& x) {
-    ++calls;
-    return x;
-  }
-  int64_t calls = 0;
-};
-TORCH_MODULE(Counting);
-
 /// The steps of `seq` [T, ...] added one at a time, as single steps add them.
 torch::Tensor loop_sum(const torch::Tensor& seq) {
   torch::Tensor acc = seq[0];
@@ -690,7 +679,7 @@ TEST(TimeChunks, SumsOverStepsAddInStepOrderAndGraphedCallsReplay_CUDA) {
   auto frames = torch::rand({T, N, 64}, torch::TensorOptions(torch::kCUDA)) * 1.5;
   torch::NoGradGuard no_grad;
   for (bool graphs : {false, true}) {
-    Counting counting;
+    HostCalls counting;
     ModelPipeline multi(ModelPipelineOptions().cuda_graphs(graphs).reset_state_each_call(true));
     for (size_t s = 0; s < 3; ++s) multi->append(twin.multi[s], "cuda:0");
     multi->append(torch::nn::Sequential(counting, SeqToANN(head)), "cuda:0");
