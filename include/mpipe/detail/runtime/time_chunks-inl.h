@@ -61,9 +61,7 @@ MPIPE_FUNC at::Tensor add_steps(at::Tensor sum, const at::Tensor& chunk) {
 MPIPE_FUNC at::Tensor sum_steps(const at::Tensor& chunk) {
   if (chunk.size(0) == 1) return chunk[0].clone();
   if (scan_sums(chunk)) return scanned_sum(chunk);  // likewise, 0 + chunk[0] is chunk[0]
-  at::Tensor sum = chunk[0];
-  for (int64_t t = 1; t < chunk.size(0); ++t) sum = sum + chunk[t];
-  return sum;
+  return add_steps(chunk[0], chunk.narrow(0, 1, chunk.size(0) - 1));  // the loop, as above
 }
 
 /// The chunk's gradient: the sum's, broadcast to every step.
