@@ -29,7 +29,8 @@ TARGETS = {  # (workload, kind): (which ratio, bound) -- bench/README.md
 
 # mpipe's variants of each workload and kind: (row label suffix, mpipe_bench key).
 MLP_VARIANTS = {
-    "forward": [("", "mpipe_fwd_ms"), (", cuda_graphs", "mpipe_graph_fwd_ms"),
+    "forward": [("", "mpipe_fwd_ms"), (", eager (auto_cuda_graphs off)", "mpipe_eager_fwd_ms"),
+                (", cuda_graphs", "mpipe_graph_fwd_ms"),
                 (", lanes 2", "mpipe_lanes2_fwd_ms"),
                 (", lanes 2 + cuda_graphs", "mpipe_graph_lanes2_fwd_ms")],
     "train": [("", "mpipe_train_ms"), (", cuda_graphs", "mpipe_graph_train_ms")],

@@ -175,8 +175,15 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
   {
     torch::NoGradGuard no_grad;
     r["plain_fwd_ms"] = timer.median_ms([&] { run_plain(stages, devices, x); });
+    // Default options: on CUDA the repeated call is replayed from a graph
+    // after two eager runs (Note [Automatic CUDA graphs]).
     r["mpipe_fwd_ms"] = timer.median_ms([&] { pipe->forward(x, split); });
-    if (timer.cuda) {  // the same stages, replayed from a CUDA graph
+    if (timer.cuda) {  // eager calls; the same stages replayed from a CUDA graph
+      mpipe::ModelPipeline eager(mpipe::ModelPipelineOptions()
+                                     .worker_threads(!inline_host)
+                                     .auto_cuda_graphs(false));
+      for (size_t s = 0; s < stages.size(); ++s) eager->append(stages[s], devices[s]);
+      r["mpipe_eager_fwd_ms"] = timer.median_ms([&] { eager->forward(x, split); });
       mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
       guarded(r, "mpipe_graph_fwd_ms",
@@ -186,7 +193,8 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
         mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
                                        .worker_threads(!inline_host)
                                        .lanes(2)
-                                       .cuda_graphs(graphs));
+                                       .cuda_graphs(graphs)
+                                       .auto_cuda_graphs(false));
         for (size_t s = 0; s < stages.size(); ++s) laned->append(stages[s], devices[s]);
         guarded(r, graphs ? "mpipe_graph_lanes2_fwd_ms" : "mpipe_lanes2_fwd_ms",
                 [&] { return timer.median_ms([&] { laned->forward(x, split); }); });
@@ -748,7 +756,9 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
     }
   });
   for (bool threads : {true, false}) {
-    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().worker_threads(threads));
+    // The runtime's own cost: eager calls (no automatic graphs).
+    mpipe::ModelPipeline pipe(
+        mpipe::ModelPipelineOptions().worker_threads(threads).auto_cuda_graphs(false));
     for (auto& st : stages) pipe->append(st, device);
     const std::string mode = threads ? "threads" : "inline";
     {

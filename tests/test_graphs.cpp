@@ -16,7 +16,7 @@ using mpipe::ModelPipelineOptions;
 TEST(CudaGraphs, GraphedForwardMatchesEagerForward_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   torch::manual_seed(17);
-  auto eager = ModelPipeline();
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
   HostCalls host;
   for (int i = 0; i < 3; ++i) {
@@ -52,7 +52,7 @@ TEST(CudaGraphs, GraphedForwardMatchesEagerForward_CUDA) {
 TEST(CudaGraphs, GraphedSpikingCallsMatchEagerCalls_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   torch::manual_seed(18);
-  auto eager = ModelPipeline();
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
   std::vector<mpipe::snn::LIFNode> neurons;
   HostCalls host;
@@ -118,7 +118,7 @@ TEST(CudaGraphs, GraphedTrainStepMatchesEagerSteps_CUDA) {
   for (auto schedule : all_schedules()) {
     SCOPED_TRACE(schedule_name(schedule));
     torch::manual_seed(19);
-    auto eager = ModelPipeline();
+    auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
     auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
     HostCalls host;
     for (int i = 0; i < 3; ++i) {
@@ -217,7 +217,7 @@ TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device g("cuda:0");
   torch::manual_seed(20);
-  auto eager = ModelPipeline();
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
   for (int i = 0; i < 4; ++i) {
     torch::nn::Linear fc(32, 32);
@@ -364,6 +364,153 @@ TEST(CudaGraphs, StepsThatSumCastGradientsRunEagerly_CUDA) {
     } else {
       EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
       EXPECT_EQ(calls[4], calls[2]) << "steps 3 and 4 are replays";
+    }
+  }
+}
+
+// Note [Automatic CUDA graphs] ----------------------------------------------
+
+namespace {
+
+/// A stage that reads a value on the host (.item()): it cannot be captured.
+struct SyncsImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    return x * (x.abs().max().item<double>() >= 0.0 ? 2.0 : 3.0);
+  }
+  int64_t calls = 0;
+};
+TORCH_MODULE(Syncs);
+
+/// The pipeline's output for `x` with automatic graphs off, from the same
+/// stages (results of the eager runtime, which other tests hold to the plain
+/// model).
+torch::Tensor eager_forward(const std::vector<torch::nn::Sequential>& stages,
+                            const torch::Tensor& x, int64_t split) {
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
+  for (const auto& s : stages) eager->append(s, x.device());
+  return eager->forward(x, split);
+}
+
+}  // namespace
+
+TEST(AutoCudaGraphs, RepeatedInferenceCallsAreReplayedWithEagerResults_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(23);
+  auto automatic = ModelPipeline();  // default options
+  HostCalls host;  // the last stage holds an identity that counts host calls
+  std::vector<torch::nn::Sequential> stages;
+  for (int i = 0; i < 3; ++i) stages.push_back(mlp_stage(16, 16));
+  stages.back()->push_back(host);
+  for (const auto& s : stages) automatic->append(s, g);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({12, 16}, g);
+  const auto want = eager_forward(stages, x, 4);
+  for (int call = 1; call <= 6; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    const int64_t before = host->calls;
+    EXPECT_TRUE(torch::equal(automatic->forward(x, 4), want)) << "bit for bit";
+    EXPECT_EQ(automatic->cuda_graphs_captured(), call >= 3 ? 1u : 0u) << "captured on the third";
+    if (call <= 2) EXPECT_EQ(host->calls, before + 3) << "eager: 3 micro-batches";
+    if (call >= 4) EXPECT_EQ(host->calls, before) << "a replay runs no host code";
+  }
+  // Replays take the call's seed from the CPU generator, as eager calls do.
+  torch::manual_seed(5);
+  eager_forward(stages, x, 4);
+  const auto after_eager = torch::rand({4});
+  torch::manual_seed(5);
+  automatic->forward(x, 4);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), after_eager)) << "the CPU generator after a replay";
+  // In-place updates (an optimizer's) reach the replay. (eager_forward runs
+  // the same stages, so it counts host calls too: it runs first.)
+  for (auto& p : automatic->parameters()) p.mul_(0.5);
+  auto updated = eager_forward(stages, x, 4);
+  int64_t replayed = host->calls;
+  EXPECT_TRUE(torch::equal(automatic->forward(x, 4), updated));
+  EXPECT_EQ(host->calls, replayed) << "after an in-place update";
+  // Parameters moved to new storage: the graph is captured again.
+  for (auto& p : automatic->parameters()) p.set_data(p.detach().clone() * 2);
+  updated = eager_forward(stages, x, 4);
+  replayed = host->calls;
+  EXPECT_TRUE(torch::equal(automatic->forward(x, 4), updated));
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 1u);
+  EXPECT_GT(host->calls, replayed) << "a new capture after the storage moved";
+  // Another split and another shape: two eager runs each before a capture.
+  const auto x2 = torch::randn({5, 16}, g);
+  for (int call = 1; call <= 3; ++call) {
+    EXPECT_TRUE(torch::equal(automatic->forward(x, 2), eager_forward(stages, x, 2)));
+    EXPECT_TRUE(torch::equal(automatic->forward(x2, 4), eager_forward(stages, x2, 4)));
+  }
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 3u);
+  // Gradients on: eager, differentiable, nothing captured.
+  {
+    torch::AutoGradMode grad_on(true);
+    for (int call = 0; call < 3; ++call) EXPECT_TRUE(automatic->forward(x, 3).requires_grad());
+  }
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 3u);
+  automatic->clear_cuda_graphs();
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 0u);
+  // Switched off: every call eager.
+  automatic->options.auto_cuda_graphs(false);
+  for (int call = 0; call < 4; ++call) automatic->forward(x, 4);
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 0u);
+}
+
+TEST(AutoCudaGraphs, CallsThatDrawHoldStateOrCannotBeCapturedStayEager_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(24);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({8, 16}, g);
+  {  // Dropout in training mode draws: replays would draw other masks.
+    torch::nn::Sequential drop(torch::nn::Linear(16, 16), torch::nn::Dropout(0.5));
+    auto pipe = ModelPipeline();
+    pipe->append(mlp_stage(16, 16), g).append(drop, g);
+    torch::Tensor previous;
+    for (int call = 0; call < 5; ++call) {
+      const auto y = pipe->forward(x, 2);
+      if (previous.defined()) EXPECT_FALSE(torch::equal(y, previous)) << "new masks every call";
+      previous = y;
+    }
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 0u) << "a call that draws";
+    pipe->eval();  // no draws in eval mode: captured
+    for (int call = 0; call < 4; ++call) pipe->forward(x, 2);
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 1u) << "the same stages in eval mode";
+  }
+  {  // A stateful stage: state carries from call to call, as without graphs.
+    torch::manual_seed(25);
+    Leaky a(16), b(16);
+    torch::manual_seed(25);
+    Leaky a2(16), b2(16);
+    auto automatic = ModelPipeline();
+    auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
+    automatic->append(a, g).append(b, g);
+    eager->append(a2, g).append(b2, g);
+    for (int call = 0; call < 5; ++call) {
+      EXPECT_TRUE(torch::equal(automatic->forward(x, 2), eager->forward(x, 2))) << "call " << call;
+    }
+    EXPECT_EQ(automatic->cuda_graphs_captured(), 0u) << "a stateful stage";
+  }
+  {  // A stage that synchronises: its capture fails unseen, and it stays eager.
+    Syncs syncs;
+    auto pipe = ModelPipeline();
+    auto first = mlp_stage(16, 16);
+    pipe->append(first, g).append(syncs, g);
+    const auto want = first->forward(x) * 2.0;
+    for (int call = 0; call < 6; ++call) {
+      expect_close(pipe->forward(x, 8), want, 1e-6, "call " + std::to_string(call));
+    }
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 0u);
+    EXPECT_EQ(syncs->calls, 6 + 2) << "6 eager calls, the capture's warm-up and its try";
+  }
+  {  // A timeline, or memory tracking: every call eager.
+    for (int which = 0; which < 2; ++which) {
+      auto pipe = ModelPipeline(
+          ModelPipelineOptions().record_timeline(which == 0).track_memory(which == 1));
+      pipe->append(mlp_stage(16, 16), g).append(mlp_stage(16, 16), g);
+      for (int call = 0; call < 4; ++call) pipe->forward(x, 2);
+      EXPECT_EQ(pipe->cuda_graphs_captured(), 0u) << (which == 0 ? "timeline" : "memory");
     }
   }
 }

@@ -410,7 +410,7 @@ TEST(PipelineBuild, CudaGraphsOptionRunsEagerlyWhereItCannotCapture) {
   expect_close(graphed->constant_forward(x, 3), plain->constant_forward(x, 3), 0.0);
 }
 
-TEST(PipelineBuild, LanesAreRefusedBelowOneAndChangeNothingOnTheCpu) {
+TEST(PipelineBuild, LanesAreRefusedBelowZeroAndChangeNothingOnTheCpu) {
   torch::manual_seed(13);
   auto a = mlp_stage(6, 6), b = mlp_stage(6, 6);
   auto pipe = ModelPipeline(ModelPipelineOptions().lanes(3));
@@ -418,8 +418,10 @@ TEST(PipelineBuild, LanesAreRefusedBelowOneAndChangeNothingOnTheCpu) {
   const auto x = torch::randn({9, 6});
   torch::NoGradGuard no_grad;
   expect_close(pipe->forward(x, 2), b->forward(a->forward(x)), 1e-6, "lanes on the CPU");
-  pipe->options.lanes(0);
-  MPIPE_EXPECT_ERROR(pipe->forward(x, 2), "lanes must be at least 1", "got 0");
+  pipe->options.lanes(-1);
+  MPIPE_EXPECT_ERROR(pipe->forward(x, 2), "lanes must be 0 (automatic) or positive", "got -1");
+  pipe->options.lanes(0);  // the default: automatic
+  expect_close(pipe->forward(x, 2), b->forward(a->forward(x)), 1e-6, "lanes(0)");
   pipe->options.lanes(1);
   expect_close(pipe->forward(x, 2), b->forward(a->forward(x)), 1e-6, "usable after the error");
 }

@@ -260,9 +260,11 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// Loads like Module::load, then puts each stage back on its device (an
   /// archive may have been saved from, or mapped to, other devices).
   void load(torch::serialize::InputArchive& archive) override;
-  /// Drops captured CUDA graphs (Note [CUDA graphs]); call it after replacing
-  /// a stage's parameter or buffer tensors by hand (in-place updates, such as
-  /// an optimizer's, need nothing). Waits for a call in progress, as do
+  /// Drops captured CUDA graphs (Note [CUDA graphs]) and frees their memory
+  /// pools, and forgets which calls were seen (auto_cuda_graphs). Training
+  /// steps' graphs, and graphs of stages that read host state, need it after
+  /// a stage's parameters or buffers are replaced by hand; in-place updates,
+  /// such as an optimizer's, need nothing. Waits for a call in progress, as do
   /// append, to and load.
   void clear_cuda_graphs();
   /// How many calls are held as CUDA graphs now (0 without CUDA).

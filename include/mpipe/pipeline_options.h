@@ -48,15 +48,33 @@ struct ModelPipelineOptions {
   /// replay does (Note [Graphs or summed casts]). See Notes [CUDA graphs] and
   /// [Graphed training steps].
   TORCH_ARG(bool, cuda_graphs) = false;
+  /// Replay repeated inference calls from CUDA graphs, with no flag to set: a
+  /// single-tensor forward (or constant_forward, sequence_forward) under
+  /// NoGradGuard or InferenceMode, whose stages and input share one CUDA
+  /// device and hold no stateful module, is captured
+  /// the third time the same call (split, input shape and dtype, module mode,
+  /// autocast state) comes, unless its earlier runs drew random numbers, and
+  /// replayed after that, with the same results. A capture that fails falls
+  /// back to eager calls, and a graph whose parameters or buffers were moved
+  /// to new storage is captured again. At most 4 such graphs are held; each
+  /// keeps its activations' memory reserved (clear_cuda_graphs frees them).
+  /// Turn it off for a stage whose forward depends on host state that changes
+  /// between calls (a counter, a flag, a scalar member): a replay repeats the
+  /// device work of its capture. No effect with cuda_graphs, which graphs more
+  /// call kinds. See Note [Automatic CUDA graphs].
+  TORCH_ARG(bool, auto_cuda_graphs) = true;
   /// forward() on CUDA: each stage spreads its micro-batches over this many
   /// streams (micro-batch i on lane i % lanes), so up to `lanes` micro-batches
   /// of one stage run on the GPU at once. It pays where a stage's kernels are
   /// too small to fill the GPU (several stages on one GPU, small micro-batches);
   /// results are the same. Only stages that hold no state (no buffers, no
-  /// stateful modules) spread; the others, training steps and time-step calls
-  /// use one stream per stage. 1 (the default): one stream per stage. See
-  /// Note [Lanes].
-  TORCH_ARG(int64_t, lanes) = 1;
+  /// stateful modules) spread; the others, training steps, time-step calls and
+  /// calls under autocast (whose micro-batches share a stage's weight casts)
+  /// use one stream per stage. 0 (the default) chooses: 2 in a forward replayed
+  /// from a CUDA graph, where a second stream measured faster, and 1 (one
+  /// stream per stage) in eager calls, where the extra launches cost more than
+  /// they overlap (bench/RESULTS.md). See Note [Lanes].
+  TORCH_ARG(int64_t, lanes) = 0;
   /// train_step under autocast: each mpipe::Linear weight (float32) is cast
   /// once per step and stage, and the micro-batches' gradients of that cast
   /// are summed in the autocast dtype, then added to the weight's .grad once,

@@ -50,12 +50,21 @@ std::shared_ptr<GraphCache> make_graph_cache();
 /// How many graphs `cache` holds.
 size_t graphs_held(const GraphCache& cache);
 
+/// Whether `cache` holds a graph for the no-grad call `key`. A graph whose
+/// `watched` tensors (the pipeline's parameters and buffers) moved to other
+/// storage since its capture reads stale memory: it is dropped here (Moved).
+enum class Held { None, Held, Moved };
+Held holds_graph(GraphCache& cache, const std::string& key, const std::vector<at::Tensor>& watched);
+
 /// Replays the graph captured for `key`, capturing it first (after one eager
-/// warm-up run) if there is none: copies `x` into the graph's static input,
-/// replays on the caller's current stream and returns a copy of the static
-/// output. `eager` runs the call on a given input; `reset` is called before
-/// the capture. Returns an undefined tensor when the cache is full.
+/// warm-up run) if there is none, or if its `watched` tensors moved
+/// (holds_graph): copies `x` into the graph's static input, replays on the
+/// caller's current stream and returns a copy of the static output. `eager`
+/// runs the call on a given input; `reset` is called before the capture.
+/// Returns an undefined tensor when the cache is full or capturing `key`
+/// failed before.
 at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tensor& x,
+                       const std::vector<at::Tensor>& watched,
                        const std::function<at::Tensor(const at::Tensor&)>& eager,
                        const std::function<void()>& reset);
 

@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -34,7 +35,11 @@ namespace detail {
 // reset state (a call is graphed only when no module holds state) and are
 // reset after it: state does not carry from one graphed call to the next.
 // Calls with gradients, several devices, or held state run eagerly, as does
-// any call once 16 shapes have been captured.
+// any call once 16 shapes have been captured. Before each replay the
+// parameters' and buffers' storage is compared with the capture's: a graph
+// whose tensors moved (to(), set_data) is captured again (holds_graph).
+// Without the option, repeated inference calls are graphed where that is safe
+// (Note [Automatic CUDA graphs], session-inl.h).
 //
 // Like torch.cuda.graphs, a replay repeats the captured device work only:
 // host-side decisions taken during the capture (a module's branches on its
@@ -74,6 +79,7 @@ class GraphCache {
   struct Entry {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor input, output;
+    std::vector<const void*> watched_ptrs;  // parameters' and buffers' storage at capture
   };
   struct StepEntry {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -95,6 +101,30 @@ MPIPE_FUNC std::shared_ptr<GraphCache> make_graph_cache() { return std::make_sha
 
 MPIPE_FUNC size_t graphs_held(const GraphCache& cache) { return cache.size(); }
 
+
+// Note [A failed capture]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A capture that a stage invalidates (a synchronising call such as .item())
+// makes CUDAGraph::capture_end throw before it ends two things capture_begin
+// started: the allocator keeps routing to the graph's private pool (through a
+// filter that refers to the graph), and the default CUDA generator stays in
+// capture mode, so every later random op outside a capture fails ("Offset
+// increment outside graph capture"). undo_capture ends both, so the process
+// stays usable: the pool's routing ends and the pool is released (only if
+// capture_end had not got that far), and the generator gets back a copy of
+// its state from before the capture (graphsafe_set_state: that copy is not
+// capturing).
+MPIPE_FUNC void undo_capture(at::cuda::CUDAGraph& graph, c10::DeviceIndex device,
+                             at::Generator& gen, const at::Generator& before_capture) {
+  bool routed = true;
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, graph.pool());
+  } catch (...) {  // capture_end had ended it
+    routed = false;
+  }
+  if (routed) c10::cuda::CUDACachingAllocator::releasePool(device, graph.pool());
+  gen.graphsafe_set_state(before_capture);
+}
 
 /// Captures `body` into `graph` on a side stream forked from (and joined back
 /// into) the caller's stream. A failed capture is ended before the error
@@ -121,17 +151,21 @@ MPIPE_FUNC void capture(at::cuda::CUDAGraph& graph, const std::function<void()>&
     if (AutocastState::current().any()) clear_autocast_cache();
     // Thread-local mode: only this thread is barred from unsafe CUDA calls
     // while capturing; the autograd engine's thread and others run freely.
+    const c10::DeviceIndex device = caller.device_index();
+    at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+    at::Generator before_capture = gen.clone();  // its state, outside any capture
     graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       body();
+      graph.capture_end();
     } catch (...) {
       try {
         graph.capture_end();
       } catch (...) {  // an invalidated capture: the first error is the one to report
       }
+      undo_capture(graph, device, gen, before_capture);
       throw;
     }
-    graph.capture_end();
   }
   at::cuda::CUDAEvent captured;
   captured.record(side);
@@ -139,14 +173,33 @@ MPIPE_FUNC void capture(at::cuda::CUDAGraph& graph, const std::function<void()>&
 }
 
 
+MPIPE_FUNC std::vector<const void*> storage_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<const void*> ptrs;
+  ptrs.reserve(tensors.size());
+  for (const auto& t : tensors) ptrs.push_back(t.defined() ? t.data_ptr() : nullptr);
+  return ptrs;
+}
+
+MPIPE_FUNC Held holds_graph(GraphCache& cache, const std::string& key,
+                            const std::vector<at::Tensor>& watched) {
+  auto it = cache.entries.find(key);
+  if (it == cache.entries.end()) return Held::None;
+  if (storage_of(watched) == it->second.watched_ptrs) return Held::Held;
+  cache.entries.erase(it);  // replaced parameters (to(), set_data, load into new tensors)
+  return Held::Moved;
+}
+
 MPIPE_FUNC at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tensor& x,
+                                  const std::vector<at::Tensor>& watched,
                                   const std::function<at::Tensor(const at::Tensor&)>& eager,
                                   const std::function<void()>& reset) {
   c10::cuda::CUDAGuard device_guard(x.device());
+  holds_graph(cache, key, watched);
   auto it = cache.entries.find(key);
   if (it == cache.entries.end()) {
     if (cache.size() >= kMaxGraphs || cache.failed.count(key)) return at::Tensor();
     GraphCache::Entry entry;
+    entry.watched_ptrs = storage_of(watched);
     entry.input = x.clone();
     entry.graph = std::make_unique<at::cuda::CUDAGraph>();
     try {

@@ -14,7 +14,12 @@ MPIPE_FUNC std::shared_ptr<GraphCache> make_graph_cache() { return nullptr; }
 
 MPIPE_FUNC size_t graphs_held(const GraphCache&) { return 0; }
 
+MPIPE_FUNC Held holds_graph(GraphCache&, const std::string&, const std::vector<at::Tensor>&) {
+  return Held::None;
+}
+
 MPIPE_FUNC at::Tensor run_graphed(GraphCache&, const std::string&, const at::Tensor&,
+                                  const std::vector<at::Tensor>&,
                                   const std::function<at::Tensor(const at::Tensor&)>&,
                                   const std::function<void()>&) {
   return at::Tensor();

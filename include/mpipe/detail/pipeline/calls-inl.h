@@ -73,9 +73,13 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
   spec.remote = remote;
   auto outs = std::make_shared<std::vector<Tensors>>(static_cast<size_t>(spec.n_items));
   spec.sink = [outs](int64_t i, Tensors o) { (*outs)[static_cast<size_t>(i)] = std::move(o); };
-  const int64_t lanes = self.options.lanes();
-  TORCH_CHECK(lanes >= 1, "mpipe::ModelPipeline::forward: ModelPipelineOptions::lanes must be at "
-              "least 1, got ", lanes);
+  TORCH_CHECK(self.options.lanes() >= 0, "mpipe::ModelPipeline::forward: ModelPipelineOptions::"
+              "lanes must be 0 (automatic) or positive, got ", self.options.lanes());
+  int64_t lanes = self.options.lanes() > 0 ? self.options.lanes() : (in_graph_run ? 2 : 1);
+  // Under autocast a stage's micro-batches share the casts of its weights
+  // (Note [Autocast in the pipeline]), made on the stream of the first: other
+  // lanes would read them unordered.
+  if (detail::AutocastState::current().any()) lanes = 1;
   if (lanes > 1 && !remote) {  // Note [Lanes]: stages that keep no state
     spec.lanes = lanes;
     for (size_t j = 0; j < stateful.size(); ++j) {

@@ -23,6 +23,7 @@
 #include "mpipe/detail/runtime/state_snapshot.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -48,6 +49,14 @@ struct ModelPipelineImpl::State {
   detail::Executor executor;
   std::shared_ptr<detail::GraphCache> graphs;  // null without CUDA
   bool in_graphed_step = false;  // run_step is capturing or warming up a graph
+  bool in_graph_run = false;     // a no-grad call is being captured (lanes(0): 2 lanes)
+  /// Note [Automatic CUDA graphs]: what auto_graphed knows of each call key.
+  struct AutoGraph {
+    int eager_runs = 0;    // eager runs of this key so far
+    int moved = 0;         // graphs dropped because parameters moved
+    bool refused = false;  // it drew random numbers, or its capture failed
+  };
+  std::map<std::string, AutoGraph> auto_graphs;
   bool cast_linears = false;     // a stage holds an mpipe::Linear (Note [Graphs or summed casts])
   mutable std::mutex call_mutex;  // one call at a time: stages' state must see calls in order
   std::shared_ptr<detail::Recorder> pending_timeline;  // the last recorded call
@@ -96,11 +105,22 @@ struct ModelPipelineImpl::State {
   /// the rollback of stateful modules on failure (Note [State snapshots]).
   template <typename F>
   auto guarded(const char* method, F&& body) -> decltype(body());
-  /// Whether a no-grad call on `x` may be replayed from a CUDA graph.
+  /// Whether a no-grad call on `x` could run as a CUDA graph: a CUDA build,
+  /// one device, no timeline, no state held.
+  bool could_graph(const at::Tensor& x) const;
+  /// Whether a no-grad call on `x` may be replayed from a CUDA graph
+  /// (options.cuda_graphs).
   bool graphable(const at::Tensor& x) const;
+  /// Whether it may be captured automatically (options.auto_cuda_graphs).
+  bool auto_graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
   at::Tensor graphed_or_eager(const detail::GraphKey& key, const at::Tensor& x,
                               const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
+  /// The call run eagerly or replayed, as Note [Automatic CUDA graphs] decides.
+  at::Tensor auto_graphed(const detail::GraphKey& key, const at::Tensor& x,
+                          const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
+  /// The parameters and buffers a graph reads in place.
+  std::vector<at::Tensor> watched_tensors() const;
   /// A training step: replayed from a CUDA graph when step_graphable, else
   /// `eager(x, target, worker_threads)`.
   at::Tensor run_step(const detail::GraphKey& key, const at::Tensor& x, const at::Tensor& target,

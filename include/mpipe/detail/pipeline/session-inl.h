@@ -114,10 +114,12 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
         return detail::one_output(kind.method, run_plan(kind.plan(info, {Input(xg)}, yg, nullptr), th));
       };
       if (kind.step) return {run_step(key, x, target, eager)};
+      auto no_target = [&](const at::Tensor& xg, bool th) { return eager(xg, at::Tensor(), th); };
       if (graphable(x)) {
-        at::Tensor out = graphed_or_eager(
-            key, x, [&](const at::Tensor& xg, bool th) { return eager(xg, at::Tensor(), th); });
+        at::Tensor out = graphed_or_eager(key, x, no_target);
         if (out.defined()) return {out};
+      } else if (auto_graphable(x)) {
+        return {auto_graphed(key, x, no_target)};
       }
     }
     return run_plan(kind.plan(info, inputs, target, nullptr), threaded);
@@ -194,9 +196,8 @@ MPIPE_FUNC void ModelPipelineImpl::State::execute(CallSpec& spec, bool threaded)
   if (recorder) pending_timeline = recorder;
 }
 
-MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
-  if (!self.options.cuda_graphs() || !graphs || c10::GradMode::is_enabled() || !x.is_cuda() ||
-      self.options.record_timeline()) {
+MPIPE_FUNC bool ModelPipelineImpl::State::could_graph(const at::Tensor& x) const {
+  if (!graphs || c10::GradMode::is_enabled() || !x.is_cuda() || self.options.record_timeline()) {
     return false;  // a replay has no tasks to record (Note [Timeline])
   }
   for (const auto& d : devices) {
@@ -210,15 +211,107 @@ MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
   return true;
 }
 
+MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
+  return self.options.cuda_graphs() && could_graph(x);
+}
+
+MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) const {
+  if (!self.options.auto_cuda_graphs() || self.options.cuda_graphs() || distributed() ||
+      self.options.track_memory()) {
+    return false;  // a replay allocates nothing: the report would show another call
+  }
+  for (const auto& stage : stateful) {
+    if (!stage.empty()) return false;  // a graph would reset the state a call carries
+  }
+  return could_graph(x);
+}
+
+MPIPE_FUNC std::vector<at::Tensor> ModelPipelineImpl::State::watched_tensors() const {
+  std::vector<at::Tensor> watched = self.parameters();
+  for (auto& b : self.buffers()) watched.push_back(std::move(b));
+  return watched;
+}
+
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
     const GraphKey& key, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+  struct Flag {              // lanes(0) means 2 lanes in a graph (calls-inl.h)
+    bool& on;
+    explicit Flag(bool& f) : on(f) { on = true; }
+    ~Flag() { on = false; }
+  } graph_run{in_graph_run};
   at::Tensor out = detail::run_graphed(
-      *graphs, key.str(), x, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
+      *graphs, key.str(), x, watched_tensors(),
+      [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
       [this] { reset_states(self); });
   if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
   return out;  // undefined: the cache is full, run eagerly
+}
+
+// Note [Automatic CUDA graphs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Inference calls that repeat are bound by the host's launches when their
+// kernels are small (narrow-mlp: eager 5-6.7 ms, its replay with 2 lanes
+// 2.8 ms, bench/RESULTS.md), so with ModelPipelineOptions::auto_cuda_graphs
+// (the default) they are replayed without a flag, where a replay cannot be
+// told from an eager call:
+//  - no gradients, one CUDA device, one input tensor, one process, no
+//    timeline (the rules of Note [CUDA graphs]), and no Stateful module at
+//    all: a graph starts from reset state, an eager call carries state on;
+//  - the same key (GraphKey: method, arguments, input shape and dtype, module
+//    mode, autocast state) ran eagerly twice before, so one-off shapes cost no
+//    capture, and neither run drew random numbers (draws_seen: a replay would
+//    draw other numbers than the per-item generators of Note [Random draws]);
+//  - a capture that fails (a stage that synchronises, such as .item()) is not
+//    reported: the key stays eager for good;
+//  - a graph whose parameters or buffers moved to new storage (to(),
+//    set_data, loading into new tensors) is dropped and captured again, twice
+//    at most per key; values changed in place (an optimizer step) are read by
+//    the replay;
+//  - at most kMaxAutoGraphs graphs are held, each with its activations'
+//    memory reserved.
+// A replayed call still takes its seed from the CPU's generator, as an eager
+// call does, so code after it draws the same numbers either way. What cannot
+// be checked is host state a stage's forward reads (a counter, a flag or a
+// scalar member changed between calls): the replay repeats the capture's
+// device work, so such stages need auto_cuda_graphs(false).
+constexpr size_t kMaxAutoGraphs = 4;
+constexpr int kAutoEagerRuns = 2;
+constexpr int kAutoMoves = 2;
+
+MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
+    const GraphKey& key, const at::Tensor& x,
+    const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
+  const std::string k = key.str();
+  const detail::Held held = detail::holds_graph(*graphs, k, watched_tensors());
+  // An eager call takes its seed from the CPU generator (Note [Random draws]);
+  // a replayed one takes it too, so that later draws do not tell them apart.
+  auto as_eager_draws = [this] { (void)detail::CallRng::begin(devices); };
+  if (held == detail::Held::Held) {
+    as_eager_draws();
+    return graphed_or_eager(key, x, eager);
+  }
+  if (auto_graphs.size() >= 256 && auto_graphs.count(k) == 0) auto_graphs.clear();  // many shapes
+  AutoGraph& seen = auto_graphs[k];
+  if (held == detail::Held::Moved && ++seen.moved > kAutoMoves) seen.refused = true;
+  if (!seen.refused && seen.eager_runs >= kAutoEagerRuns &&
+      detail::graphs_held(*graphs) < kMaxAutoGraphs) {
+    try {
+      at::Tensor out = graphed_or_eager(key, x, eager);
+      if (out.defined()) {
+        as_eager_draws();
+        return out;
+      }
+    } catch (const std::exception&) {
+      seen.refused = true;  // the capture failed: this key runs eagerly from now on
+    }
+  }
+  const uint64_t draws = detail::draws_seen();
+  at::Tensor out = eager(x, self.options.worker_threads());
+  if (detail::draws_seen() != draws) seen.refused = true;
+  ++seen.eager_runs;
+  return out;
 }
 
 MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
@@ -273,6 +366,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
 
 MPIPE_FUNC void ModelPipelineImpl::State::drop_graphs() {
   if (graphs) graphs = detail::make_graph_cache();
+  auto_graphs.clear();
 }
 
 MPIPE_FUNC std::shared_ptr<detail::Recorder> ModelPipelineImpl::State::start_recording(

@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -129,6 +130,15 @@ MPIPE_FUNC c10::optional<c10::Device> device_of(c10::DispatchKeySet ks,
   return c10::nullopt;
 }
 
+/// Drawing operators run in a stage's forward so far, in any pipeline: a call
+/// that draws is never captured automatically (Note [Automatic CUDA graphs]).
+MPIPE_FUNC std::atomic<uint64_t>& draw_counter() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+
+MPIPE_FUNC uint64_t draws_seen() { return draw_counter().load(std::memory_order_relaxed); }
+
 MPIPE_FUNC std::mutex& swap_mutex() {
   static std::mutex m;
   return m;
@@ -144,6 +154,7 @@ MPIPE_FUNC void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
   const size_t first = stack->size() - args.size();
   for (size_t k = 0; k < args.size(); ++k) {
     if (!is_generator_argument(args[k])) continue;
+    draw_counter().fetch_add(1, std::memory_order_relaxed);
     c10::IValue& generator = (*stack)[first + k];
     if (generator.isNone()) {
       if (const auto device = device_of(ks, *stack, first, args.size())) {
@@ -161,6 +172,7 @@ MPIPE_FUNC void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
     if (args[k].name() == "train" && v.isBool() && !v.toBool()) draws = false;
   }
   if (!draws) return op.redispatchBoxed(below, stack);
+  draw_counter().fetch_add(1, std::memory_order_relaxed);
   at::Generator own = scope->generator(*device);
   at::Generator shared = at::globalContext().defaultGenerator(*device);
   std::lock_guard<std::mutex> swap_lock(swap_mutex());

@@ -36,6 +36,10 @@ class PlainDraws {
   bool previous_;
 };
 
+/// How many drawing operators have run in stages' forwards (in a pipeline's
+/// RngScope), process-wide: compare two readings to see whether a call drew.
+uint64_t draws_seen();
+
 /// Routes the random draws of one (stage, item) forward on this thread to
 /// private generators seeded from (call seed, stage, item, device). Nothing
 /// when `rng` is inactive.
