@@ -15,6 +15,8 @@
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
+# lm = the transformer language model through the pipeline, then --plain (data
+# from .devdata/fortunes, extra flags in MPIPE_LM_FLAGS; loss curves come back);
 # headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
 # build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER); consumers = the four
 # consumer tests; compiletime = scripts/compile-time.sh (compile-time.txt). Logs go to
@@ -151,6 +153,16 @@ if [[ " $steps " == *" snn "* ]]; then
     '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' --data .devdata/fashion-mnist \
     --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a '$log'"
   [ -f /tmp/snn_out/accuracy.svg ] && cp /tmp/snn_out/accuracy.svg "$out/snn_accuracy.svg"
+fi
+if [[ " $steps " == *" lm "* ]]; then
+  for mode in pipeline plain; do
+    flag=""
+    [ "$mode" = plain ] && flag="--plain"
+    step "transformer_lm_$mode" bash -o pipefail -c "timeout ${MPIPE_LM_TIMEOUT:-300} \
+      '$bin/examples/transformer_lm/transformer_lm' --data .devdata/fortunes --out /tmp/lm_out \
+      $flag ${MPIPE_LM_FLAGS:-} 2>&1 | tee -a '$log'"
+  done
+  cp /tmp/lm_out/*.svg "$out/" 2>/dev/null
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-check: failed steps: ${failed[*]}" | tee -a "$log"

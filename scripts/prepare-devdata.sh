@@ -6,10 +6,12 @@
 # the device call's carry list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .devdata/include .devdata/fashion-mnist .devdata/seed
+mkdir -p .devdata/include .devdata/fashion-mnist .devdata/seed .devdata/fortunes
 cp -r /usr/include/CLI /usr/include/nlohmann .devdata/include/
 cp /usr/include/zlib.h /usr/include/zconf.h .devdata/include/
 cp /usr/share/datasets/fashion-mnist/*.gz .devdata/fashion-mnist/
+# The fortunes text (the transformer example's data), plain files only.
+find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -exec cp {} .devdata/fortunes/ \;
 cp ../shared/seed/*.py .devdata/seed/
 # Gloo's headers for c10d's ProcessGroupGloo.hpp (the wheel has none): from a
 # snapshot of github.com/pytorch/gloo (GLOO_SRC, a git directory), with the

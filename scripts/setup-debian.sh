@@ -6,7 +6,7 @@ set -euo pipefail
 [ "${MPIPE_SKIP_APT:-0}" = 1 ] && exit 0
 
 packages=(cmake ninja-build g++ ccache libgtest-dev libbenchmark-dev
-          libcli11-dev nlohmann-json3-dev zlib1g-dev libexpat1-dev dataset-fashion-mnist doxygen
+          libcli11-dev nlohmann-json3-dev zlib1g-dev libexpat1-dev dataset-fashion-mnist fortunes doxygen
           python3)
 # Debian's LibTorch (CPU only), unless the build uses another one (scripts/build.sh).
 [ "${MPIPE_SKIP_LIBTORCH_DEB:-0}" = 1 ] || packages+=(libtorch-dev libgloo-dev)

@@ -5,6 +5,7 @@
 #include "mpipe/detail/pipeline/session-inl.h"
 #include "mpipe/detail/pipeline/calls-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
+#include "mpipe/detail/pipeline/grad_norm-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"
 #include "mpipe/detail/pipeline/model_pipeline-inl.h"
 #include "mpipe/detail/pipeline/timeline-inl.h"

@@ -9,6 +9,7 @@
 #include <mpipe/mpipe.h>
 
 #include <atomic>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -813,4 +814,53 @@ TEST(ZeroBubble, WeightGradientsComputeNoActivationGradientTwice) {
       EXPECT_EQ(g_identity_backwards.load(), per_step + 3);
     }
   }
+}
+
+// mpipe::clip_grad_norm against torch::nn::utils::clip_grad_norm_ on the plain
+// model's gradients: the same norm, the same clipped gradients, for 2-, 1- and
+// infinity-norms, clipped or not; bad arguments are refused and nothing moves.
+TEST(ClipGradNorm, EqualsClippingThePlainModelsGradients) {
+  for (double norm_type : {2.0, 1.0, 3.0, std::numeric_limits<double>::infinity()}) {
+    for (double max_norm : {1e-2, 1e6}) {
+      SCOPED_TRACE("norm " + std::to_string(norm_type) + ", max " + std::to_string(max_norm));
+      torch::manual_seed(3);
+      std::vector<torch::nn::Sequential> stages, plain;
+      auto pipe = ModelPipeline();
+      for (int s = 0; s < 3; ++s) {
+        stages.push_back(mlp_stage(8, 8));
+        plain.push_back(torch::nn::Sequential(
+            std::dynamic_pointer_cast<torch::nn::SequentialImpl>(stages.back()->clone())));
+        pipe->append(stages.back(), "cpu");
+      }
+      const auto x = torch::randn({12, 8}), y = torch::randn({12, 8}) * 5;
+      pipe->train_step(x, y, mse, TrainStepOptions(4));
+      torch::Tensor h = x;
+      for (auto& s : plain) h = s->forward(h);
+      mse(h, y).backward();
+      std::vector<torch::Tensor> plain_params;
+      for (auto& s : plain) {
+        for (auto& p : s->parameters()) plain_params.push_back(p);
+      }
+      const double want = torch::nn::utils::clip_grad_norm_(plain_params, max_norm, norm_type);
+      const double got = mpipe::clip_grad_norm(*pipe, max_norm, norm_type);
+      EXPECT_NEAR(got, want, 1e-5 * want);
+      EXPECT_GT(got, max_norm == 1e6 ? 0.0 : max_norm) << "the case must clip, or must not";
+      const auto params = pipe->parameters();
+      ASSERT_EQ(params.size(), plain_params.size());
+      for (size_t k = 0; k < params.size(); ++k) {
+        expect_close(params[k].grad(), plain_params[k].grad(), 1e-6, "gradient " + std::to_string(k));
+      }
+    }
+  }
+  auto pipe = ModelPipeline();
+  pipe->append(mlp_stage(4, 4), "cpu");
+  pipe->train_step(torch::randn({4, 4}), torch::randn({4, 4}), mse, TrainStepOptions(2));
+  const auto before = pipe->parameters()[0].grad().clone();
+  MPIPE_EXPECT_ERROR(mpipe::clip_grad_norm(*pipe, -1.0), "max_norm must not be negative", "-1");
+  MPIPE_EXPECT_ERROR(mpipe::clip_grad_norm(*pipe, 1.0, 0.0), "norm_type must be positive", "0");
+  EXPECT_TRUE(torch::equal(pipe->parameters()[0].grad(), before)) << "nothing scaled";
+  // No gradients at all: norm 0, nothing to do.
+  auto fresh = ModelPipeline();
+  fresh->append(mlp_stage(4, 4), "cpu");
+  EXPECT_EQ(mpipe::clip_grad_norm(*fresh, 1.0), 0.0);
 }

@@ -112,6 +112,11 @@ class ProcessGroup {
   /// Whether `flag` is true on any rank of the world; every rank calls it
   /// (GradScaler uses it so that all ranks skip the same steps).
   bool any(bool flag) const;
+  /// The sum of `value` over every rank of the world; every rank calls it
+  /// (clip_grad_norm uses it for the gradients' norm across ranks).
+  double sum(double value) const;
+  /// The largest `value` of any rank of the world; every rank calls it.
+  double max(double value) const;
 
 
  private:

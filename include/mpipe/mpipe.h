@@ -10,6 +10,7 @@
 #include <mpipe/batchnorm.h>
 #include <mpipe/checkpoint.h>
 #include <mpipe/device.h>
+#include <mpipe/grad_norm.h>
 #include <mpipe/grad_scaler.h>
 #include <mpipe/linear.h>
 #include <mpipe/memory.h>

@@ -10,11 +10,13 @@
 
 #include <mpipe/autocast.h>
 #include <mpipe/distributed.h>
+#include <mpipe/grad_norm.h>
 #include <mpipe/grad_scaler.h>
 #include <mpipe/snn.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -661,6 +663,40 @@ TEST(Distributed, ReplicasTrainLikeOneProcessOnTheWholeBatch) {
     if (group().is_last()) expect_close(loss, want.detach(), "replicated loss");
     expect_same_grads(pipe, reference, mean ? "replicas, mean" : "replicas, sum");
   }
+}
+
+// clip_grad_norm across ranks: each rank scales its own stages' gradients by
+// the factor of the whole model's norm (replicas counted once), as
+// torch::nn::utils::clip_grad_norm_ does with every gradient in one process.
+TEST(Distributed, ClipGradNormSeesEveryRanksGradients) {
+  const int64_t r = group().replicas();
+  const auto stages = make_model(group().pipeline_size() + 2);
+  auto reference = make_model(static_cast<int64_t>(stages.size()));
+  auto pipe = make_pipe(stages);
+  const at::Tensor x = input(4 * r);
+  torch::manual_seed(5);
+  const at::Tensor y = torch::randn({4 * r, 3}, torch::kDouble) * 10;
+  const int64_t mine = group().replica();
+  for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+    for (double max_norm : {1e-3, 1e6}) {  // clipped, and left alone
+      SCOPED_TRACE("norm " + std::to_string(norm_type) + ", max " + std::to_string(max_norm));
+      for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+      for (auto& s : reference) s->zero_grad();
+      pipe->train_step(x.narrow(0, 4 * mine, 4), y.narrow(0, 4 * mine, 4), mse,
+                       mpipe::TrainStepOptions(2));
+      mse(plain(reference, x), y).backward();
+      std::vector<at::Tensor> all;
+      for (auto& s : reference) {
+        for (auto& p : s->parameters()) all.push_back(p);
+      }
+      const double want = torch::nn::utils::clip_grad_norm_(all, max_norm, norm_type);
+      const double got = mpipe::clip_grad_norm(*pipe, max_norm, norm_type);
+      EXPECT_NEAR(got, want, 1e-9 * want) << "the norm before clipping";
+      expect_same_grads(pipe, reference, "clipped gradients");
+    }
+  }
+  // A group that is told a negative bound answers on every rank alike.
+  EXPECT_THROW(mpipe::clip_grad_norm(*pipe, -1.0), c10::Error);
 }
 
 // One GPU: a world of one rank holding several stages on cuda:0 (the NCCL

@@ -194,6 +194,14 @@ MPIPE_FUNC bool any_rank(const distributed::ProcessGroup& group, bool flag) {
   return one[0].item<int64_t>() > 0;
 }
 
+MPIPE_FUNC double reduce_ranks(const distributed::ProcessGroup& group, double value, bool max) {
+  std::vector<at::Tensor> one{at::full({1}, value, at::kDouble)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+  group_impl(group)->comm->world->allreduce(one, options)->wait();
+  return one[0].item<double>();
+}
+
 MPIPE_FUNC void allreduce_replicas(const distributed::ProcessGroup& group,
                                    std::vector<at::Tensor> tensors, bool average) {
   const Impl& g = *group_impl(group);

@@ -28,6 +28,7 @@ MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::Process
 MPIPE_FUNC int64_t next_pipeline_id(const distributed::ProcessGroup&) { unavailable(); }
 MPIPE_FUNC void barrier(const distributed::ProcessGroup&) { unavailable(); }
 MPIPE_FUNC bool any_rank(const distributed::ProcessGroup&, bool) { unavailable(); }
+MPIPE_FUNC double reduce_ranks(const distributed::ProcessGroup&, double, bool) { unavailable(); }
 MPIPE_FUNC void allreduce_replicas(const distributed::ProcessGroup&, std::vector<at::Tensor>,
                                    bool) {
   unavailable();

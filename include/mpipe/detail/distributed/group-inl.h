@@ -75,5 +75,15 @@ MPIPE_FUNC bool ProcessGroup::any(bool flag) const {
   return detail::any_rank(*this, flag);
 }
 
+MPIPE_FUNC double ProcessGroup::sum(double value) const {
+  detail::group_of(impl_);
+  return detail::reduce_ranks(*this, value, /*max=*/false);
+}
+
+MPIPE_FUNC double ProcessGroup::max(double value) const {
+  detail::group_of(impl_);
+  return detail::reduce_ranks(*this, value, /*max=*/true);
+}
+
 }  // namespace distributed
 }  // namespace mpipe

@@ -76,5 +76,7 @@ inline const std::shared_ptr<GroupImpl>& group_impl(const distributed::ProcessGr
 void barrier(const distributed::ProcessGroup& group);
 /// Whether `flag` is true on any rank of the world (every rank calls it).
 bool any_rank(const distributed::ProcessGroup& group, bool flag);
+/// `value` summed (or, `max`, its largest) over every rank of the world.
+double reduce_ranks(const distributed::ProcessGroup& group, double value, bool max);
 }  // namespace detail
 }  // namespace mpipe

@@ -1,0 +1,745 @@
+// A decoder-only, character-level transformer language model trained on
+// Debian's fortunes (about 2 MB of English quotations) through
+// mpipe::ModelPipeline::train_step. See README.md.
+//
+//   token + position embedding -> N pre-norm blocks (causal self-attention,
+//   MLP) -> final LayerNorm -> output head
+//
+// The layers are split into 4 stages (8 with --schedule interleaved), by a
+// profile of each layer's time in one process, by their FLOPs across
+// processes, or as --balance gives them. --plain trains the same layers as
+// one module with the same recipe, for comparison.
+
+#include "training.h"
+
+#include <mpipe/autocast.h>
+#include <mpipe/mpipe.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+#include <torch/version.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nn = torch::nn;
+
+namespace {
+
+constexpr const char* kDefaultData = "/usr/share/games/fortunes";
+
+struct Config {
+  examples::CommonFlags common;
+  int64_t layers = 0, dim = 0, heads = 0, context = 0, batch = 0;  // 0: by device, below
+  int64_t micro_batches = 8;
+  int64_t steps = 0;
+  int64_t warmup = 0;
+  int64_t eval_every = 0;  // 0: once per epoch (a pass over the training text)
+  int64_t log_every = 0;
+  double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
+  std::string schedule = "1f1b";
+  std::string checkpoint = "never";
+  std::string balance = "auto";
+  std::string precision;  // "": bf16 on a GPU, fp32 on the CPU
+  bool plain = false;
+  bool resume = false;
+  int64_t generate = -1;  // characters to sample at the end (-1: 400, 200 with --quick)
+  std::string prompt = "The ";
+  double temperature = 0.8;
+  double max_val_loss = -1;
+  bool below_unigram = false;
+  mpipe::distributed::ProcessGroup group;
+};
+
+// The model ------------------------------------------------------------------
+
+struct EmbedImpl : nn::Module {
+  EmbedImpl(int64_t vocab, int64_t dim, int64_t context) {
+    tok = register_module("tok", nn::Embedding(vocab, dim));
+    pos = register_module("pos", nn::Embedding(context, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {  // [B, T] token ids -> [B, T, dim]
+    return tok(idx) + pos(torch::arange(idx.size(1), idx.options()));
+  }
+  nn::Embedding tok{nullptr}, pos{nullptr};
+};
+TORCH_MODULE(Embed);
+
+struct BlockImpl : nn::Module {
+  BlockImpl(int64_t dim, int64_t heads) : heads(heads) {
+    ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({dim})));
+    qkv = register_module("qkv", nn::Linear(dim, 3 * dim));
+    proj = register_module("proj", nn::Linear(dim, dim));
+    ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({dim})));
+    fc1 = register_module("fc1", nn::Linear(dim, 4 * dim));
+    fc2 = register_module("fc2", nn::Linear(4 * dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x) {  // [B, T, dim]
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    auto parts = qkv(ln1(x)).view({B, T, 3, heads, C / heads}).permute({2, 0, 3, 1, 4});
+    const auto q = parts[0], k = parts[1], v = parts[2];  // [B, heads, T, C / heads]
+#if TORCH_VERSION_MAJOR >= 2
+    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else  // LibTorch 1.x has no fused attention
+    auto att = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / heads));
+    const auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
+    auto y = att.masked_fill(future, -std::numeric_limits<float>::infinity()).softmax(-1).matmul(v);
+#endif
+    x = x + proj(y.transpose(1, 2).reshape({B, T, C}));
+    return x + fc2(nn::functional::gelu(fc1(ln2(x))));
+  }
+  int64_t heads;
+  nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct HeadImpl : nn::Module {
+  HeadImpl(int64_t dim, int64_t vocab) {
+    ln = register_module("ln", nn::LayerNorm(nn::LayerNormOptions({dim})));
+    out = register_module("out", nn::Linear(nn::LinearOptions(dim, vocab).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out(ln(x)); }  // [B, T, vocab] logits
+  nn::LayerNorm ln{nullptr};
+  nn::Linear out{nullptr};
+};
+TORCH_MODULE(Head);
+
+/// The layers in order: the embedding, the blocks, the head (GPT-2's
+/// initialisation: normal(0, 0.02), residual projections scaled by depth).
+struct Layers {
+  Embed embed{nullptr};
+  std::vector<Block> blocks;
+  Head head{nullptr};
+
+  Layers(int64_t vocab, const Config& c) {
+    embed = Embed(vocab, c.dim, c.context);
+    for (int64_t l = 0; l < c.layers; ++l) blocks.emplace_back(c.dim, c.heads);
+    head = Head(c.dim, vocab);
+    torch::NoGradGuard no_grad;
+    for (auto& p : all()->named_parameters()) {
+      const auto& name = p.key();
+      if (name.find("ln") != std::string::npos || name.find("bias") != std::string::npos) continue;
+      const bool residual = name.find("proj") != std::string::npos || name.find("fc2") != std::string::npos;
+      nn::init::normal_(p.value(), 0.0, residual ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02);
+    }
+    for (auto& p : all()->named_parameters()) {
+      if (p.key().find("bias") != std::string::npos) p.value().zero_();
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(blocks.size()) + 2; }
+  /// Appends layer i to `seq`.
+  void push(nn::Sequential& seq, int64_t i) const {
+    if (i == 0) {
+      seq->push_back(embed);
+    } else if (i + 1 == size()) {
+      seq->push_back(head);
+    } else {
+      seq->push_back(blocks[static_cast<size_t>(i - 1)]);
+    }
+  }
+  /// Every layer in one module (the plain model).
+  nn::Sequential all() const {
+    nn::Sequential seq;
+    for (int64_t i = 0; i < size(); ++i) push(seq, i);
+    return seq;
+  }
+};
+
+// The data -------------------------------------------------------------------
+
+/// The text: every plain file of `dir` (not the .dat indexes, nor the .u8
+/// links), by name, one after the other.
+std::string load_text(const std::string& dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.is_regular_file() && !e.is_symlink() && name.find('.') == std::string::npos) {
+      files.push_back(e.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return text;
+}
+
+bool text_present(const std::string& dir) { return load_text(dir).size() > 10000; }
+
+struct Corpus {
+  std::vector<unsigned char> chars;  // id -> byte
+  torch::Tensor train, val;          // token ids (int64, CPU): the first 90 %, the last 10 %
+  double unigram = 0;                // cross-entropy of val under train's character frequencies (nats)
+};
+
+Corpus make_corpus(const std::string& text) {
+  Corpus c;
+  std::array<int64_t, 256> id{};
+  id.fill(-1);
+  for (unsigned char ch : text) {
+    if (id[ch] < 0) id[ch] = 0;
+  }
+  for (int b = 0; b < 256; ++b) {
+    if (id[b] >= 0) {
+      id[b] = static_cast<int64_t>(c.chars.size());
+      c.chars.push_back(static_cast<unsigned char>(b));
+    }
+  }
+  std::vector<int64_t> tokens(text.size());
+  for (size_t i = 0; i < text.size(); ++i) tokens[i] = id[static_cast<unsigned char>(text[i])];
+  const auto all = torch::tensor(tokens, torch::kLong);
+  const int64_t n_train = all.size(0) * 9 / 10;
+  c.train = all.narrow(0, 0, n_train);
+  c.val = all.narrow(0, n_train, all.size(0) - n_train);
+  // The unigram baseline, with add-one smoothing.
+  const auto vocab = static_cast<int64_t>(c.chars.size());
+  const auto counts = torch::bincount(c.train, {}, vocab).to(torch::kDouble) + 1;
+  const auto logp = (counts / counts.sum()).log();
+  c.unigram = -logp.index_select(0, c.val).mean().item<double>();
+  return c;
+}
+
+std::string decode(const Corpus& c, const std::vector<int64_t>& ids) {
+  std::string s;
+  for (int64_t i : ids) s.push_back(static_cast<char>(c.chars[static_cast<size_t>(i)]));
+  return s;
+}
+
+// Training pieces ------------------------------------------------------------
+
+mpipe::Schedule schedule_of(const std::string& name) {
+  if (name == "gpipe") return mpipe::Schedule::GPipe;
+  if (name == "1f1b") return mpipe::Schedule::OneFOneB;
+  if (name == "zbh1") return mpipe::Schedule::ZeroBubbleH1;
+  if (name == "interleaved") return mpipe::Schedule::Interleaved1F1B;
+  if (name == "auto") return mpipe::Schedule::Auto;
+  throw std::runtime_error("--schedule must be gpipe, 1f1b, zbh1, interleaved or auto, got " + name);
+}
+
+mpipe::Checkpoint checkpoint_of(const std::string& name) {
+  if (name == "never") return mpipe::Checkpoint::Never;
+  if (name == "except-last") return mpipe::Checkpoint::ExceptLast;
+  if (name == "always") return mpipe::Checkpoint::Always;
+  throw std::runtime_error("--checkpoint must be never, except-last or always, got " + name);
+}
+
+/// Training FLOPs per token: 6 per matmul weight, and attention's two
+/// products counted as if not causal (as PaLM's and nanoGPT's estimates do).
+double flops_per_token(const Config& c, int64_t vocab) {
+  const double d = static_cast<double>(c.dim), L = static_cast<double>(c.layers);
+  return 6 * (L * 12 * d * d + d * static_cast<double>(vocab)) +
+         12 * L * static_cast<double>(c.context) * d;
+}
+
+/// Layers per stage: given (--balance 1,2,2,1), or the split that minimises
+/// the slowest stage, of each layer's measured time in one process and of
+/// its FLOPs across processes (every rank must get the same split).
+std::vector<int64_t> stage_sizes(const Config& c, Layers& layers, int64_t n_stages, int64_t vocab,
+                                 const torch::Tensor& sample) {
+  if (c.balance != "auto") {
+    std::vector<int64_t> sizes;
+    std::stringstream in(c.balance);
+    for (std::string item; std::getline(in, item, ',');) sizes.push_back(std::stoll(item));
+    int64_t sum = 0;
+    for (int64_t s : sizes) sum += s;
+    if (static_cast<int64_t>(sizes.size()) != n_stages || sum != layers.size() ||
+        *std::min_element(sizes.begin(), sizes.end()) < 1) {
+      throw std::runtime_error("--balance must give " + std::to_string(n_stages) +
+                               " positive layer counts summing to " +
+                               std::to_string(layers.size()) + ", got " + c.balance);
+    }
+    return sizes;
+  }
+  std::vector<double> costs;
+  if (c.group.defined()) {
+    const double d = static_cast<double>(c.dim);
+    costs.push_back(d);  // the embedding: a lookup
+    for (int64_t l = 0; l < c.layers; ++l) costs.push_back(24 * d * d + 4 * c.context * d);
+    costs.push_back(2 * d * static_cast<double>(vocab));
+  } else {
+    auto all = layers.all();
+    all->to(sample.device());
+    costs = mpipe::balance::profile_time(all, sample, 3);
+  }
+  return mpipe::balance::partition(costs, n_stages);
+}
+
+/// Autocast to bf16 on the GPU when --precision bf16; nothing otherwise.
+std::unique_ptr<mpipe::AutocastGuard> precision_scope(const Config& c, const torch::Device& d) {
+  if (c.precision != "bf16") return nullptr;
+  return std::make_unique<mpipe::AutocastGuard>(d.type(), torch::kBFloat16);
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat),
+                                              targets.reshape({-1}));
+}
+
+/// Warm-up, then cosine decay to a tenth of the peak.
+double lr_at(const Config& c, int64_t step) {
+  if (step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup);
+  const double t = static_cast<double>(step - c.warmup) /
+                   static_cast<double>(std::max<int64_t>(1, c.steps - c.warmup));
+  return c.lr * (0.1 + 0.45 * (1 + std::cos(M_PI * std::min(1.0, t))));
+}
+
+/// An SVG of the training loss (per logged interval) and validation loss.
+void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train,
+                    const std::vector<std::pair<int64_t, double>>& val, double unigram,
+                    const std::string& title, int64_t steps) {
+  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
+  double hi = unigram * 1.05, lo = hi;
+  for (const auto* v : {&train, &val}) {
+    for (const auto& p : *v) lo = std::min(lo, p.second);
+  }
+  lo = std::floor(lo * 5) / 5;
+  auto px = [&](double s) { return left + (W - left - right) * s / static_cast<double>(steps); };
+  auto py = [&](double l) { return top + (H - top - bottom) * (hi - std::min(l, hi)) / (hi - lo); };
+  std::ofstream f(path);
+  f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
+       "fill=\"white\"/>\n<text x=\""
+    << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n";
+  for (double l = lo; l <= hi + 1e-9; l += 0.2) {
+    f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(l) << "\" y2=\""
+      << py(l) << "\" stroke=\"#ddd\"/>\n<text x=\"" << left - 6 << "\" y=\"" << py(l) + 4
+      << "\" text-anchor=\"end\">" << std::round(l * 10) / 10 << "</text>\n";
+  }
+  f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(unigram) << "\" y2=\""
+    << py(unigram) << "\" stroke=\"#999\" stroke-dasharray=\"4\"/>\n<text x=\"" << W - right
+    << "\" y=\"" << py(unigram) - 4 << "\" text-anchor=\"end\" fill=\"#666\">unigram baseline</text>\n";
+  f << "<text x=\"" << W / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">step (of " << steps
+    << "); loss in nats per character</text>\n";
+  auto line = [&](const std::vector<std::pair<int64_t, double>>& v, const char* colour,
+                  const char* name, double ly) {
+    f << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\"";
+    for (const auto& p : v) f << px(static_cast<double>(p.first)) << "," << py(p.second) << " ";
+    f << "\"/>\n<text x=\"" << W - right - 130 << "\" y=\"" << ly << "\" fill=\"" << colour
+      << "\">" << name << "</text>\n";
+  };
+  line(train, "#d62728", "training loss", top + 20);
+  line(val, "#1f77b4", "validation loss", top + 36);
+  f << "</svg>\n";
+}
+
+/// How the example runs a model: through the pipeline, or plain.
+struct Model {
+  mpipe::ModelPipeline pipe{nullptr};
+  nn::Sequential plain{nullptr};
+  torch::Device in_device = torch::kCPU, out_device = torch::kCPU;
+
+  std::vector<torch::Tensor> parameters() const {
+    return plain ? plain->parameters() : pipe->parameters();
+  }
+  void train(bool on) {
+    if (plain) {
+      plain->train(on);
+    } else {
+      pipe->train(on);
+    }
+  }
+  /// Logits (on the last rank across processes; undefined elsewhere).
+  torch::Tensor forward(const torch::Tensor& x, int64_t micro_batches) {
+    if (plain) return plain->forward(x);
+    return pipe->forward(x, mpipe::chunks(std::min(micro_batches, x.size(0))));
+  }
+};
+
+/// Mean loss per character over every whole window of the validation text.
+double validate(Model& m, const Config& c, const Corpus& corpus) {
+  torch::NoGradGuard no_grad;
+  m.train(false);
+  const int64_t windows = (corpus.val.size(0) - 1) / c.context;
+  double sum = 0;
+  int64_t n = 0;
+  for (int64_t w = 0; w < windows; w += c.batch) {
+    const int64_t b = std::min(c.batch, windows - w);
+    const auto span = corpus.val.narrow(0, w * c.context, b * c.context + 1);
+    const auto x = span.narrow(0, 0, b * c.context).view({b, c.context}).to(m.in_device);
+    const auto y = span.narrow(0, 1, b * c.context).view({b, c.context}).to(m.out_device);
+    torch::Tensor logits;
+    {
+      const auto precision = precision_scope(c, m.in_device);
+      logits = m.forward(x, c.micro_batches);
+    }
+    if (logits.defined()) sum += lm_loss(logits, y).item<double>() * static_cast<double>(b);
+    n += b;
+  }
+  m.train(true);
+  return sum / static_cast<double>(n);
+}
+
+/// `n` characters sampled after `prompt`, each from the model's forward over
+/// the last `context` characters. Across processes the last rank samples and
+/// every rank learns the character through ProcessGroup::sum.
+std::string generate(Model& m, const Config& c, const Corpus& corpus, int64_t n) {
+  torch::NoGradGuard no_grad;
+  m.train(false);
+  std::vector<int64_t> ids;
+  for (unsigned char ch : c.prompt) {
+    const auto it = std::find(corpus.chars.begin(), corpus.chars.end(), ch);
+    if (it != corpus.chars.end()) ids.push_back(it - corpus.chars.begin());
+  }
+  if (ids.empty()) ids.push_back(0);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.common.seed + 1);
+  for (int64_t k = 0; k < n; ++k) {
+    const size_t from = ids.size() > static_cast<size_t>(c.context) ? ids.size() - c.context : 0;
+    const std::vector<int64_t> window(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end());
+    const auto x = torch::tensor(window, torch::kLong).view({1, -1}).to(m.in_device);
+    torch::Tensor logits;
+    {
+      const auto precision = precision_scope(c, m.in_device);
+      logits = m.forward(x, 1);
+    }
+    double next = 0;
+    if (logits.defined()) {
+      const auto probs = (logits[0][-1].to(torch::kFloat).cpu() / c.temperature).softmax(-1);
+      next = static_cast<double>(at::multinomial(probs, 1, false, gen).item<int64_t>());
+    }
+    if (c.group.defined()) next = c.group.sum(next);  // the last rank's choice, on every rank
+    ids.push_back(static_cast<int64_t>(next));
+  }
+  m.train(true);
+  return decode(corpus, ids);
+}
+
+int run(Config c) {
+  examples::CommonFlags& common = c.common;
+  c.group = examples::group_from_env();
+  if (c.plain && c.group.defined()) throw std::runtime_error("--plain runs in one process");
+  const mpipe::Schedule schedule = schedule_of(c.schedule);
+  const int64_t virtual_stages = schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1;
+  const int64_t n_stages = 4 * virtual_stages;
+  const auto devices4 = examples::stage_devices(common.devices, 4);
+  const bool cuda = devices4.front().is_cuda();
+  // Defaults: a 10.8M-parameter model on a GPU, a tiny one on the CPU.
+  const bool small = common.quick || !cuda;
+  auto pick = [](int64_t& v, int64_t value) {
+    if (v == 0) v = value;
+  };
+  pick(c.layers, small ? 2 : 6);
+  pick(c.dim, small ? 64 : 384);
+  pick(c.heads, small ? 4 : 6);
+  pick(c.context, small ? 64 : 256);
+  pick(c.batch, small ? 16 : 64);
+  pick(c.steps, common.quick ? 200 : (cuda ? 2000 : 1000));
+  pick(c.warmup, std::min<int64_t>(100, c.steps / 10));
+  pick(c.log_every, common.quick ? 50 : 100);
+  if (c.precision.empty()) c.precision = cuda ? "bf16" : "fp32";
+  if (c.precision != "fp32" && c.precision != "bf16") {
+    throw std::runtime_error("--precision must be fp32 or bf16, got " + c.precision);
+  }
+  if (c.dim % c.heads != 0) throw std::runtime_error("--dim must be a multiple of --heads");
+  if (c.layers + 2 < n_stages) {
+    throw std::runtime_error("--layers " + std::to_string(c.layers) + " gives " +
+                             std::to_string(c.layers + 2) + " layers for " +
+                             std::to_string(n_stages) + " stages; use --layers " +
+                             std::to_string(n_stages - 2) + " or more");
+  }
+  torch::manual_seed(common.seed);
+  if (cuda) {
+    torch::cuda::manual_seed_all(common.seed);
+    at::globalContext().setAllowTF32CuBLAS(true);
+  }
+
+  if (common.skip_if_no_data && !text_present(common.data)) {
+    std::printf("no text found in %s: skipped\n", common.data.c_str());
+    return examples::kSkipExitCode;
+  }
+  const std::string text = load_text(common.data);
+  if (text.size() < 10000) {
+    throw std::runtime_error("found " + std::to_string(text.size()) + " bytes of text in " +
+                             common.data + "; install it with: apt-get install fortunes");
+  }
+  const Corpus corpus = make_corpus(text);
+  const auto vocab = static_cast<int64_t>(corpus.chars.size());
+  if (c.eval_every == 0) c.eval_every = std::max<int64_t>(1, corpus.train.size(0) / (c.batch * c.context));
+  const bool report = examples::reports(c.group);
+
+  // The model: the plain module, or the pipeline's stages (this rank's).
+  Layers layers(vocab, c);
+  Model m;
+  std::string placement;
+  if (c.plain) {
+    m.plain = layers.all();
+    m.plain->to(devices4.front());
+    m.in_device = m.out_device = devices4.front();
+    placement = "one module on " + devices4.front().str();
+  } else {
+    const auto sample = corpus.train.narrow(0, 0, (c.batch / c.micro_batches) * c.context)
+                            .view({-1, c.context}).to(devices4.front());
+    const auto sizes = stage_sizes(c, layers, n_stages, vocab, sample);
+    m.pipe = mpipe::ModelPipeline(mpipe::ModelPipelineOptions()
+                                      .checkpoint(checkpoint_of(c.checkpoint))
+                                      .process_group(c.group));
+    int64_t at = 0;
+    std::string split;
+    for (int64_t s = 0; s < n_stages; ++s) {
+      const auto device = devices4[static_cast<size_t>(s % 4)];  // interleaved: stage s on s % 4
+      nn::Sequential stage;
+      for (int64_t k = 0; k < sizes[static_cast<size_t>(s)]; ++k) layers.push(stage, at + k);
+      at += sizes[static_cast<size_t>(s)];
+      split += (s ? "," : "") + std::to_string(sizes[static_cast<size_t>(s)]);
+      if (examples::holds_stage(c.group, s, n_stages)) m.pipe->append(stage, device);
+    }
+    m.in_device = devices4.front();
+    m.out_device = devices4.back();
+    placement = std::to_string(n_stages) + " stages (layers " + split + ") on " +
+                examples::device_list(devices4) +
+                (c.group.defined() ? " across " + std::to_string(c.group.world_size()) + " processes"
+                                   : std::string());
+  }
+  int64_t n_params = 0;
+  for (const auto& p : layers.all()->parameters()) n_params += p.numel();
+  if (report) {
+    std::printf("mpipe %s transformer_lm: %s; %lld layers of %lld (%lld heads), context %lld, "
+                "%.1fM parameters, vocabulary %lld; %lld train / %lld validation characters; batch "
+                "%lld = %lld micro-batches, schedule %s, checkpoint %s, %s%s\n",
+                MPIPE_VERSION_STRING, placement.c_str(), static_cast<long long>(c.layers),
+                static_cast<long long>(c.dim), static_cast<long long>(c.heads),
+                static_cast<long long>(c.context), static_cast<double>(n_params) / 1e6,
+                static_cast<long long>(vocab), static_cast<long long>(corpus.train.size(0)),
+                static_cast<long long>(corpus.val.size(0)), static_cast<long long>(c.batch),
+                static_cast<long long>(c.micro_batches), c.plain ? "none (plain)" : c.schedule.c_str(),
+                c.checkpoint.c_str(), c.precision.c_str(), common.quick ? " (quick)" : "");
+    std::printf("unigram baseline: %.3f nats per character on the validation text\n",
+                corpus.unigram);
+  }
+
+  // AdamW, with weight decay on matrices only.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : m.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(c.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(0)));
+  torch::optim::AdamW opt(groups);
+
+  // Saved weights, optimizer state and step: each rank its own stages.
+  std::filesystem::create_directories(common.out);
+  auto path_of = [&](const std::string& name) {
+    const std::string p = common.out + "/" + name;
+    return c.group.defined() ? c.group.rank_path(p) : p;
+  };
+  const std::string model_file = path_of(c.plain ? "plain.pt" : "transformer_lm.pt");
+  const std::string optim_file = path_of(c.plain ? "plain_optim.pt" : "transformer_lm_optim.pt");
+  const std::string step_file = path_of(c.plain ? "plain_step.txt" : "transformer_lm_step.txt");
+  int64_t start = 0;
+  if (c.resume && std::filesystem::exists(step_file)) {
+    std::ifstream(step_file) >> start;
+    if (c.plain) {
+      torch::load(m.plain, model_file);
+    } else {
+      torch::load(m.pipe, model_file);
+    }
+    torch::load(opt, optim_file);
+    if (report) std::printf("resumed from %s at step %lld\n", model_file.c_str(), static_cast<long long>(start));
+  }
+  auto save = [&](int64_t step) {
+    if (c.plain) {
+      torch::save(m.plain, model_file);
+    } else {
+      torch::save(m.pipe, model_file);
+    }
+    torch::save(opt, optim_file);
+    std::ofstream(step_file) << step << "\n";
+  };
+
+  const auto train_in = corpus.train.to(m.in_device), train_out = corpus.train.to(m.out_device);
+  const auto offsets_in = torch::arange(c.context, torch::TensorOptions(m.in_device).dtype(torch::kLong));
+  const auto offsets_out = offsets_in.to(m.out_device);
+  auto options = mpipe::TrainStepOptions(mpipe::chunks(c.micro_batches))
+                     .schedule(schedule)
+                     .virtual_stages(virtual_stages);
+  const double flops = flops_per_token(c, vocab);
+  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(m.out_device));
+  int64_t logged_steps = 0;
+  double train_seconds = 0, interval_seconds = 0, val_loss = NAN;
+  auto t_interval = examples::Clock::now();
+  for (int64_t step = start; step < c.steps; ++step) {
+    // Random windows of the training text (the same on every rank: same seed).
+    const auto starts = torch::randint(corpus.train.size(0) - c.context - 1, {c.batch, 1},
+                                       torch::TensorOptions(torch::kLong));
+    const auto x = train_in.index({starts.to(m.in_device) + offsets_in});
+    const auto y = train_out.index({starts.to(m.out_device) + 1 + offsets_out});
+    for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr_at(c, step));
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      const auto precision = precision_scope(c, m.in_device);
+      if (c.plain) {
+        loss = lm_loss(m.plain->forward(x), y);
+        loss.backward();
+        loss = loss.detach();
+      } else {
+        loss = m.pipe->train_step(x, y, lm_loss, options);
+      }
+    }
+    // The norm of every gradient of the model: across ranks too (mpipe::clip_grad_norm).
+    if (c.plain) {
+      torch::nn::utils::clip_grad_norm_(m.plain->parameters(), c.clip);
+    } else {
+      mpipe::clip_grad_norm(*m.pipe, c.clip);
+    }
+    opt.step();
+    if (loss.defined()) loss_sum += loss;
+    ++logged_steps;
+    const bool last = step + 1 == c.steps;
+    const bool eval_now = (step + 1) % c.eval_every == 0 || last;
+    if ((step + 1) % c.log_every == 0 || eval_now) {
+      const double mean = loss_sum.item<double>() / static_cast<double>(logged_steps);  // syncs
+      const double seconds = examples::seconds_since(t_interval);
+      train_seconds += seconds;
+      interval_seconds = seconds;
+      const double tokens = static_cast<double>(logged_steps * c.batch * c.context);
+      if (report) {
+        train_curve.emplace_back(step + 1, mean);
+        std::printf("step %5lld/%lld  loss %.3f  lr %.1e  %7.0fk tok/s  %6.2f TFLOP/s  ETA %s\n",
+                    static_cast<long long>(step + 1), static_cast<long long>(c.steps), mean,
+                    lr_at(c, step), tokens / interval_seconds / 1e3,
+                    tokens * flops / interval_seconds / 1e12,
+                    examples::format_duration(train_seconds / static_cast<double>(step + 1 - start) *
+                                              static_cast<double>(c.steps - step - 1))
+                        .c_str());
+        std::fflush(stdout);
+      }
+      loss_sum.zero_();
+      logged_steps = 0;
+      if (eval_now) {
+        val_loss = validate(m, c, corpus);
+        save(step + 1);
+        if (report) {
+          val_curve.emplace_back(step + 1, val_loss);
+          std::printf("epoch %.1f: validation loss %.3f nats per character (%.3f bits); "
+                      "%s of training; saved to %s\n",
+                      static_cast<double>((step + 1) * c.batch * c.context) /
+                          static_cast<double>(corpus.train.size(0)),
+                      val_loss, val_loss / std::log(2.0), examples::format_duration(train_seconds).c_str(),
+                      model_file.c_str());
+          std::fflush(stdout);
+        }
+      }
+      t_interval = examples::Clock::now();
+    }
+  }
+  if (start >= c.steps) val_loss = validate(m, c, corpus);
+
+  const int64_t n_generate = c.generate >= 0 ? c.generate : (common.quick ? 200 : 400);
+  if (n_generate > 0) {
+    const std::string sample = generate(m, c, corpus, n_generate);
+    if (report) std::printf("--- sampled through the %s (temperature %.1f) ---\n%s\n---\n",
+                            c.plain ? "plain model" : "pipeline's forward", c.temperature, sample.c_str());
+  }
+  if (!report) return 0;
+  if (!train_curve.empty()) {
+    const std::string plot = common.out + (c.plain ? "/plain_loss.svg" : "/loss.svg");
+    char title[200];
+    std::snprintf(title, sizeof title, "transformer_lm%s: validation loss %.3f after %lld steps",
+                  c.plain ? " (plain)" : "", val_loss, static_cast<long long>(c.steps));
+    write_loss_svg(plot, train_curve, val_curve, corpus.unigram, title, c.steps);
+    std::printf("final validation loss %.3f nats per character (unigram baseline %.3f); %s of "
+                "training; weights in %s, loss curve in %s\n",
+                val_loss, corpus.unigram, examples::format_duration(train_seconds).c_str(),
+                model_file.c_str(), plot.c_str());
+  } else {
+    std::printf("final validation loss %.3f nats per character (unigram baseline %.3f)\n", val_loss,
+                corpus.unigram);
+  }
+  if (c.below_unigram && !(val_loss < corpus.unigram)) {
+    std::printf("FAILED: validation loss %.3f is not below the unigram baseline %.3f\n", val_loss,
+                corpus.unigram);
+    return 1;
+  }
+  if (c.max_val_loss > 0 && !(val_loss <= c.max_val_loss)) {
+    std::printf("FAILED: validation loss %.3f is above --max-val-loss %.3f\n", val_loss, c.max_val_loss);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"Train a character-level transformer language model on Debian's fortunes through "
+               "an mpipe pipeline"};
+  app.add_option("--layers", c.layers, "transformer blocks (default 6 on a GPU, 2 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dim", c.dim, "model width (default 384 on a GPU, 64 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--heads", c.heads, "attention heads (default 6 on a GPU, 4 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--context", c.context, "characters per window (default 256 on a GPU, 64 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("-b,--batch", c.batch, "windows per step (default 64 on a GPU, 16 on the CPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--micro-batches", c.micro_batches, "micro-batches per step (default 8)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", c.steps, "training steps (default 2000 on a GPU, 1000 on the CPU, "
+                 "200 with --quick)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", c.warmup, "linear warm-up steps (default: a tenth of the steps, at most 100)");
+  app.add_option("--lr", c.lr, "peak learning rate (default 1e-3; cosine decay to a tenth)");
+  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay of the matrices (default 0.1)");
+  app.add_option("--clip", c.clip, "clip the gradients' global norm to this (default 1)");
+  app.add_option("--schedule", c.schedule, "gpipe, 1f1b (default), zbh1, interleaved (8 stages) or auto");
+  app.add_option("--checkpoint", c.checkpoint, "activation checkpointing: never (default), "
+                 "except-last or always");
+  app.add_option("--balance", c.balance, "layers per stage, e.g. 2,2,2,2 (default auto: by a "
+                 "profile in one process, by FLOPs across processes)");
+  app.add_option("--precision", c.precision, "bf16 (autocast, the default on a GPU) or fp32");
+  app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline)");
+  app.add_flag("--resume", c.resume, "continue from the weights and step saved in --out");
+  app.add_option("--eval-every", c.eval_every, "validate and save every N steps (default: every epoch)");
+  app.add_option("--log-every", c.log_every, "progress line every N steps");
+  app.add_option("--generate", c.generate, "characters to sample at the end (default 400, 200 with --quick)");
+  app.add_option("--prompt", c.prompt, "the text sampling starts from");
+  app.add_option("--temperature", c.temperature, "sampling temperature (default 0.8)");
+  app.add_option("--max-val-loss", c.max_val_loss, "exit 1 if the final validation loss is above this");
+  app.add_flag("--below-unigram", c.below_unigram,
+               "exit 1 unless the final validation loss is below the unigram baseline");
+  examples::CommonFlags& f = c.common;
+  f.data = kDefaultData;
+  f.out = "transformer_lm_out";
+  app.add_option("--devices", f.devices,
+                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
+  app.add_option("--data", f.data, "folder of the fortunes text files (default " +
+                 std::string(kDefaultData) + ")");
+  app.add_option("--out", f.out, "folder for weights, optimizer state and the loss curve");
+  app.add_option("--seed", f.seed, "random seed");
+  app.add_flag("--quick", f.quick, "a brief run: the CPU's tiny model, 200 steps");
+  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
+               "exit 77 (a skip for ctest) when the text is not installed");
+  CLI11_PARSE(app, argc, argv);
+  return examples::run_guarded([&] { return run(c); });
+}
