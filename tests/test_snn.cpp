@@ -20,13 +20,28 @@ using mpipe::snn::Surrogate;
 
 namespace {
 
-/// SpikingJelly's surrogate functions written out here, not taken from mpipe:
-/// g(x) = sigmoid(alpha x), or atan(pi/2 alpha x) / pi + 1/2.
+/// SpikingJelly's surrogate functions (their primitive_function, as written
+/// in spikingjelly/activation_based/surrogate.py), not taken from mpipe.
 struct RefSurrogate {
-  bool atan;
+  enum Kind { Sigmoid, ATan, PiecewiseQuadratic, SoftSign, Erf } kind;
   double alpha;
   torch::Tensor smooth(const torch::Tensor& x) const {
-    return atan ? torch::atan(M_PI / 2 * alpha * x) / M_PI + 0.5 : torch::sigmoid(alpha * x);
+    switch (kind) {
+      case Sigmoid:
+        return torch::sigmoid(alpha * x);
+      case ATan:
+        return torch::atan(M_PI / 2 * alpha * x) / M_PI + 0.5;
+      case PiecewiseQuadratic: {
+        const auto mask0 = (x > 1 / alpha).to(x.scalar_type());
+        const auto mask1 = (x.abs() <= 1 / alpha).to(x.scalar_type());
+        return mask0 + mask1 * (-(alpha * alpha) / 2 * x.square() * x.sign() + alpha * x + 0.5);
+      }
+      case SoftSign:
+        return (x / (1 / alpha + x.abs()) + 1) / 2;
+      case Erf:
+        return torch::special_erfc(-alpha * x) / 2;
+    }
+    return {};
   }
   /// Heaviside(x) forward (1 at x >= 0), g'(x) backward.
   torch::Tensor spike(const torch::Tensor& x) const {
@@ -38,12 +53,20 @@ struct RefSurrogate {
 }  // namespace
 
 TEST(Surrogate, ForwardIsTheStepAndBackwardMatchesFiniteDifferences) {
-  auto x = torch::linspace(-2.05, 2.05, 83, torch::kDouble);  // avoids 0 exactly
+  // An even count: no point at 0, where the piecewise quadratic's and soft
+  // sign's derivatives have a kink that central differences would smear.
+  auto x = torch::linspace(-2.05, 2.05, 82, torch::kDouble);
   const std::vector<std::pair<Surrogate, RefSurrogate>> cases = {
-      {Surrogate::sigmoid(), {false, 4.0}},
-      {Surrogate::sigmoid(1.5), {false, 1.5}},
-      {Surrogate::atan(), {true, 2.0}},
-      {Surrogate::atan(5.0), {true, 5.0}}};
+      {Surrogate::sigmoid(), {RefSurrogate::Sigmoid, 4.0}},
+      {Surrogate::sigmoid(1.5), {RefSurrogate::Sigmoid, 1.5}},
+      {Surrogate::atan(), {RefSurrogate::ATan, 2.0}},
+      {Surrogate::atan(5.0), {RefSurrogate::ATan, 5.0}},
+      {Surrogate::piecewise_quadratic(), {RefSurrogate::PiecewiseQuadratic, 1.0}},
+      {Surrogate::piecewise_quadratic(1.3), {RefSurrogate::PiecewiseQuadratic, 1.3}},
+      {Surrogate::soft_sign(), {RefSurrogate::SoftSign, 2.0}},
+      {Surrogate::soft_sign(0.7), {RefSurrogate::SoftSign, 0.7}},
+      {Surrogate::erf(), {RefSurrogate::Erf, 2.0}},
+      {Surrogate::erf(3.0), {RefSurrogate::Erf, 3.0}}};
   for (const auto& c : cases) {
     const Surrogate& s = c.first;
     SCOPED_TRACE(s.name());
@@ -63,6 +86,16 @@ TEST(Surrogate, ForwardIsTheStepAndBackwardMatchesFiniteDifferences) {
               1.0, 1e-12);
   EXPECT_NEAR(Surrogate::atan(2).derivative(torch::zeros({1}, torch::kDouble)).item<double>(),
               1.0, 1e-12);
+  EXPECT_NEAR(Surrogate::piecewise_quadratic(1).derivative(torch::zeros({1}, torch::kDouble))
+                  .item<double>(), 1.0, 1e-12);
+  EXPECT_EQ(Surrogate::piecewise_quadratic(1).derivative(torch::full({1}, 1.5, torch::kDouble))
+                .item<double>(), 0.0) << "no gradient outside |x| <= 1 / alpha";
+  EXPECT_NEAR(Surrogate::soft_sign(2).derivative(torch::zeros({1}, torch::kDouble)).item<double>(),
+              1.0, 1e-12);
+  EXPECT_NEAR(Surrogate::erf(2).derivative(torch::zeros({1}, torch::kDouble)).item<double>(),
+              2 / std::sqrt(M_PI), 1e-12);
+  EXPECT_EQ(Surrogate::erf(2).name(), "Erf(alpha=2)");
+  MPIPE_EXPECT_ERROR(Surrogate::soft_sign(0.0), "alpha must be positive", "got 0");
   MPIPE_EXPECT_ERROR(Surrogate::sigmoid(0.0), "alpha must be positive", "got 0");
   MPIPE_EXPECT_ERROR(Surrogate::atan(-1.0), "got -1");
 }
@@ -110,11 +143,17 @@ TEST(Neurons, DynamicsAndGradientsMatchTheEquations) {
       for (bool decay_input : {true, false}) {
         for (bool detach_reset : {false, true}) {
           for (bool fused : {true, false}) {  // one kernel, or ATen ops (Note [Fused neurons])
-            for (int kind = 0; kind < 2; ++kind) {
+            for (int kind = 0; kind < 5; ++kind) {
               if (!lif && !decay_input) continue;  // IF has no decay
-              const Surrogate surrogate = kind == 0 ? Surrogate::atan() : Surrogate::sigmoid(3.0);
-              const RefSurrogate ref_surrogate = kind == 0 ? RefSurrogate{true, 2.0}
-                                                           : RefSurrogate{false, 3.0};
+              const std::vector<Surrogate> surrogates = {
+                  Surrogate::atan(), Surrogate::sigmoid(3.0), Surrogate::piecewise_quadratic(0.8),
+                  Surrogate::soft_sign(), Surrogate::erf(1.5)};
+              const std::vector<RefSurrogate> refs = {
+                  {RefSurrogate::ATan, 2.0}, {RefSurrogate::Sigmoid, 3.0},
+                  {RefSurrogate::PiecewiseQuadratic, 0.8}, {RefSurrogate::SoftSign, 2.0},
+                  {RefSurrogate::Erf, 1.5}};
+              const Surrogate surrogate = surrogates[static_cast<size_t>(kind)];
+              const RefSurrogate ref_surrogate = refs[static_cast<size_t>(kind)];
               Reference ref{lif, 2.5, 0.8, v_reset, decay_input, detach_reset, ref_surrogate};
               SCOPED_TRACE(std::string(lif ? "LIF" : "IF") +
                            " v_reset=" + (v_reset ? std::to_string(*v_reset) : "soft") +
@@ -491,7 +530,7 @@ TEST(Neurons, FusedKernelMatchesTheATenPath_CUDA) {
   torch::manual_seed(21);
   for (auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
     const bool low = dtype == torch::kHalf || dtype == torch::kBFloat16;
-    for (int variant = 0; variant < 5; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       SCOPED_TRACE("dtype " + std::string(c10::toString(dtype)) + ", variant " +
                    std::to_string(variant));
       auto make = [&](bool fused) -> torch::nn::AnyModule {
@@ -507,6 +546,15 @@ TEST(Neurons, FusedKernelMatchesTheATenPath_CUDA) {
           case 3:
             return torch::nn::AnyModule(
                 mpipe::snn::IFNode(IFNodeOptions().v_threshold(0.75).fused(fused)));
+          case 5:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().surrogate(Surrogate::piecewise_quadratic()).fused(fused)));
+          case 6:
+            return torch::nn::AnyModule(mpipe::snn::LIFNode(
+                LIFNodeOptions().surrogate(Surrogate::soft_sign()).fused(fused)));
+          case 7:
+            return torch::nn::AnyModule(
+                mpipe::snn::IFNode(IFNodeOptions().surrogate(Surrogate::erf()).fused(fused)));
           default:
             return torch::nn::AnyModule(mpipe::snn::IFNode(
                 IFNodeOptions().v_reset(std::nullopt).detach_reset(true).surrogate(
@@ -655,4 +703,153 @@ TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16) {
 TEST(NeuronPrecision, FusedMatchesTheAtenPathInHalfAndBFloat16_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   neurons_in_low_precision(torch::Device("cuda:0"));
+}
+
+// ParametricLIFNode against SpikingJelly's equations written out here, with
+// w = -log(init_tau - 1) learnt: spikes, input gradients and w's gradient, in
+// single and multi steps, for both charges and both resets.
+TEST(Neurons, ParametricLIFMatchesItsEquationsAndLearnsTau) {
+  using mpipe::snn::ParametricLIFNode;
+  using mpipe::snn::ParametricLIFNodeOptions;
+  torch::manual_seed(8);
+  const int64_t T = 10;
+  for (bool decay_input : {true, false}) {
+    for (std::optional<double> v_reset : {std::optional<double>(0.0), std::optional<double>()}) {
+      for (bool multi : {false, true}) {
+        for (double init_tau : {2.0, 3.5}) {
+          SCOPED_TRACE("decay_input=" + std::to_string(decay_input) + " reset=" +
+                       (v_reset ? "hard" : "soft") + " multi=" + std::to_string(multi) +
+                       " init_tau=" + std::to_string(init_tau));
+          ParametricLIFNode node(ParametricLIFNodeOptions()
+                                     .init_tau(init_tau)
+                                     .decay_input(decay_input)
+                                     .v_reset(v_reset)
+                                     .surrogate(Surrogate::atan())
+                                     .step_mode(multi ? mpipe::snn::StepMode::Multi
+                                                      : mpipe::snn::StepMode::Single));
+          node->to(torch::kDouble);
+          EXPECT_NEAR(node->tau(), init_tau, 1e-6);  // w starts in float32
+          const auto w = torch::randn({T, 3, 5}, torch::kDouble);
+          auto weights = torch::arange(1, T + 1, torch::kDouble).view({T, 1, 1});
+          // mpipe
+          auto x1 = (w * 1.2).requires_grad_();
+          torch::Tensor s1;
+          if (multi) {
+            s1 = node(x1);
+          } else {
+            std::vector<torch::Tensor> out;
+            for (int64_t t = 0; t < T; ++t) out.push_back(node(x1[t]));
+            s1 = torch::stack(out);
+          }
+          (s1 * weights).sum().backward();
+          // reference
+          auto x2 = (w * 1.2).requires_grad_();
+          // w's value as the module holds it (it starts in float32, then to double).
+          auto pw = node->w.detach().clone().requires_grad_();
+          EXPECT_NEAR(pw.item<double>(), -std::log(init_tau - 1), 1e-7);
+          const RefSurrogate sg{RefSurrogate::ATan, 2.0};
+          const double vr = v_reset.value_or(0.0);
+          torch::Tensor v = torch::full({3, 5}, vr, torch::kDouble);
+          std::vector<torch::Tensor> out;
+          for (int64_t t = 0; t < T; ++t) {
+            v = decay_input ? v + (x2[t] - (v - vr)) * pw.sigmoid() : v - (v - vr) * pw.sigmoid() + x2[t];
+            auto spike = sg.spike(v - 1.0);
+            v = v_reset ? v * (1 - spike) + vr * spike : v - spike;
+            out.push_back(spike);
+          }
+          auto s2 = torch::stack(out);
+          (s2 * weights).sum().backward();
+          expect_close(s1, s2, 0.0, "spikes");
+          EXPECT_GT(s1.sum().item<double>(), 0.0);
+          expect_close(x1.grad(), x2.grad(), 1e-12, "input gradients");
+          ASSERT_TRUE(node->w.grad().defined());
+          expect_close(node->w.grad(), pw.grad(), 1e-10, "w's gradient");
+          EXPECT_NE(pw.grad().item<double>(), 0.0);
+        }
+      }
+    }
+  }
+  MPIPE_EXPECT_ERROR(ParametricLIFNode(ParametricLIFNodeOptions().init_tau(1.0)),
+                     "init_tau must be a finite number > 1", "got 1");
+  // A step of gradient descent on w changes tau.
+  ParametricLIFNode node;
+  torch::optim::SGD opt(node->parameters(), 1.0);
+  node(torch::ones({4}) * 1.5).sum().backward();
+  opt.step();
+  EXPECT_NE(node->tau(), 2.0);
+}
+
+// FiringRateMonitor: each neuron's spikes over its elements, through a
+// pipeline, not counting recomputations; reset() clears, and the monitor's
+// end stops the counting.
+TEST(Monitor, FiringRatesPerLayerThroughAPipeline) {
+  using mpipe::snn::FiringRateMonitor;
+  torch::manual_seed(9);
+  const int64_t T = 6, N = 8;
+  auto make = [] {
+    torch::nn::Linear fc1(12, 16), fc2(16, 4);
+    {
+      torch::NoGradGuard no_grad;
+      fc1->bias.fill_(0.4);
+      fc2->bias.fill_(0.3);
+    }
+    return std::make_pair(torch::nn::Sequential(fc1, LIFNode()), torch::nn::Sequential(fc2, IFNode()));
+  };
+  auto stages = make();
+  for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+    SCOPED_TRACE(checkpoint == mpipe::Checkpoint::Never ? "no checkpoint" : "checkpoint");
+    auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(checkpoint));
+    pipe->append(stages.first, "cpu").append(stages.second, "cpu");
+    const auto x = torch::rand({N, 12}) * 2;
+    FiringRateMonitor monitor(*pipe);
+    const auto out = pipe->constant_forward(x, T, /*reduce=*/false);  // [T*N, 4] spikes
+    mpipe::reset_states(*pipe);
+    auto rates = monitor.rates();
+    ASSERT_EQ(rates.size(), 2u);
+    EXPECT_EQ(rates[0].name, "stages.0.1");
+    EXPECT_EQ(rates[1].name, "stages.1.1");
+    // The last layer's rate is its output's mean; the first layer's, that of a plain loop.
+    EXPECT_EQ(rates[1].elements, T * N * 4);
+    EXPECT_NEAR(rates[1].rate, out.mean().item<double>(), 1e-12);
+    torch::Tensor first_spikes = torch::zeros({});
+    {
+      torch::NoGradGuard no_grad;
+      auto fc = stages.first[0];
+      LIFNode plain;
+      for (int64_t t = 0; t < T; ++t) first_spikes = first_spikes + plain(fc->as<torch::nn::Linear>()->forward(x)).sum();
+    }
+    EXPECT_EQ(rates[0].elements, T * N * 16);
+    EXPECT_NEAR(rates[0].spikes, first_spikes.item<double>(), 1e-9);
+    EXPECT_GT(rates[0].rate, 0.05);
+    EXPECT_LT(rates[0].rate, 0.95);
+    // A training step counts each forward step once, checkpointed or not.
+    monitor.reset();
+    EXPECT_EQ(monitor.rates()[0].elements, 0);
+    pipe->constant_train_step(x, T, torch::rand({N, 4}), mse);
+    EXPECT_EQ(monitor.rates()[0].elements, T * N * 16) << "recomputations are not counted";
+    EXPECT_NE(monitor.to_string().find("stages.1.1"), std::string::npos);
+  }
+  // No monitor: nothing counted.
+  auto pipe = ModelPipeline();
+  pipe->append(stages.first, "cpu").append(stages.second, "cpu");
+  { FiringRateMonitor m(*pipe); }
+  pipe->constant_forward(torch::rand({N, 12}), T);
+  auto* neuron = stages.first[1]->as<mpipe::snn::LIFNodeImpl>();
+  ASSERT_NE(neuron, nullptr);
+  EXPECT_EQ(neuron->spike_count().second, 0) << "counting stopped with the monitor";
+}
+
+// poisson_encode_unchecked: SpikingJelly's rule, any value.
+TEST(Encoding, UncheckedPoissonTakesAnyValue) {
+  torch::manual_seed(10);
+  const auto x = torch::tensor({-0.5, 0.0, 0.3, 1.0, 1.5}).repeat({20000, 1});
+  const auto rate = mpipe::snn::poisson_encode_unchecked(x).mean(0);
+  EXPECT_EQ(rate[0].item<double>(), 0.0);
+  EXPECT_LT(rate[1].item<double>(), 1e-3);
+  EXPECT_NEAR(rate[2].item<double>(), 0.3, 0.02);
+  EXPECT_EQ(rate[3].item<double>(), 1.0);
+  EXPECT_EQ(rate[4].item<double>(), 1.0);
+  MPIPE_EXPECT_ERROR(mpipe::snn::poisson_encode(x), "x must lie in [0, 1]");
+  mpipe::snn::PoissonEncoder sj(/*checked=*/false);
+  EXPECT_EQ(sj(x).sizes(), x.sizes());
 }

@@ -10,6 +10,7 @@
 #include <mpipe/snn/containers.h>
 #include <mpipe/snn/conv_block.h>
 #include <mpipe/snn/encoding.h>
+#include <mpipe/snn/monitor.h>
 #include <mpipe/snn/neuron.h>
 #include <mpipe/snn/poisson_encoder.h>
 #include <mpipe/snn/step_mode.h>

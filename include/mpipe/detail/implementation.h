@@ -32,6 +32,7 @@
 
 #include "mpipe/detail/snn/encoding-inl.h"
 #include "mpipe/detail/snn/fused_neuron-inl.h"
+#include "mpipe/detail/snn/monitor-inl.h"
 #include "mpipe/detail/snn/neuron-inl.h"
 #include "mpipe/detail/snn/surrogate-inl.h"
 

@@ -38,6 +38,7 @@
 
 #include <optional>
 #include <ostream>
+#include <utility>
 #include <vector>
 
 namespace mpipe {
@@ -93,6 +94,27 @@ struct LIFNodeOptions {
   TORCH_ARG(StepMode, step_mode) = StepMode::Single;
 };
 
+/// Options of ParametricLIFNode, the LIF neuron with a learnable time
+/// constant (SpikingJelly's ParametricLIFNode, Fang et al. 2021, and its defaults).
+struct ParametricLIFNodeOptions {
+  /// The time constant it starts from, tau = 1 / sigmoid(w); must be > 1.
+  TORCH_ARG(double, init_tau) = 2.0;
+  /// Charge v + (x - (v - v_reset)) sigmoid(w) (true) or v - (v - v_reset) sigmoid(w) + x (false).
+  TORCH_ARG(bool, decay_input) = true;
+  /// The membrane potential at which the neuron fires.
+  TORCH_ARG(double, v_threshold) = 1.0;
+  /// A number for hard reset; std::nullopt for soft reset.
+  TORCH_ARG(std::optional<double>, v_reset) = 0.0;
+  /// Reset with the spike detached from autograd.
+  TORCH_ARG(bool, detach_reset) = false;
+  /// The surrogate gradient of the spike.
+  TORCH_ARG(Surrogate, surrogate) = Surrogate::sigmoid();
+  /// As LIFNodeOptions::float_membrane.
+  TORCH_ARG(bool, float_membrane) = true;
+  /// Single: forward takes one step [N, ...]; Multi: a sequence [T, N, ...].
+  TORCH_ARG(StepMode, step_mode) = StepMode::Single;
+};
+
 /// What IF and LIF share: state per micro-batch, fire, reset.
 class NeuronBase : public torch::nn::Module, public Stateful {
  public:
@@ -116,6 +138,18 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   void load_state(const std::any& state) override { v_.load(state); }
   /// Membrane potentials, one per micro-batch seen since the last reset.
   const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
+  /// Counts the spikes this neuron fires (FiringRateMonitor, mpipe/snn/monitor.h):
+  /// on, every step adds its spikes and elements to the count (on the
+  /// spikes' device, without synchronising); recomputations are not counted.
+  void count_spikes(bool on) noexcept { counting_ = on; }
+  /// The spikes counted (a scalar tensor, undefined before any) and the
+  /// elements they were fired from, since the last clear_spike_count().
+  std::pair<at::Tensor, int64_t> spike_count() const { return {spikes_, elements_}; }
+  /// Sets the count back to none.
+  void clear_spike_count() noexcept {
+    spikes_ = at::Tensor();
+    elements_ = 0;
+  }
 
  protected:
   /// How the fused step charges (the ATen path calls charge()).
@@ -134,6 +168,8 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   void fill_spec(detail::NeuronSpec& spec) const;
   /// One step of the ATen path, updating v.
   at::Tensor aten_step(at::Tensor& v, const at::Tensor& x) const;
+  /// Adds `spikes` to the count when counting.
+  void count(const at::Tensor& spikes);
   void print_common(std::ostream& stream) const;
 
   const char* name_;
@@ -149,6 +185,9 @@ class NeuronBase : public torch::nn::Module, public Stateful {
 
  private:
   PerMicroBatch<at::Tensor> v_;
+  bool counting_ = false;
+  at::Tensor spikes_;
+  int64_t elements_ = 0;
 };
 
 /// Integrate-and-fire neuron: v = v + x, then fire and reset (see the header's comment).
@@ -183,6 +222,30 @@ class LIFNodeImpl : public NeuronBase {
 };
 /// A holder for LIFNodeImpl, as torch::nn's modules have.
 TORCH_MODULE(LIFNode);
+
+/// Leaky integrate-and-fire neuron whose time constant is learnt: a
+/// parameter w, tau = 1 / sigmoid(w) (SpikingJelly's ParametricLIFNode). Each
+/// step charges v + (x - (v - v_reset)) sigmoid(w) (decay_input) or
+/// v - (v - v_reset) sigmoid(w) + x, then fires and resets as the others.
+/// Runs as ATen ops (no fused kernel: w needs its gradient).
+class ParametricLIFNodeImpl : public NeuronBase {
+ public:
+  /// A neuron with `options`; throws c10::Error unless init_tau is finite and > 1.
+  explicit ParametricLIFNodeImpl(ParametricLIFNodeOptions options = {});
+  /// The current time constant, 1 / sigmoid(w).
+  double tau() const;
+  /// Prints `mpipe::snn::ParametricLIFNode(tau=..., decay_input=..., ...)`.
+  void pretty_print(std::ostream& stream) const override;
+  /// The options it was built with.
+  const ParametricLIFNodeOptions options;
+  /// The learnt parameter, a scalar: tau = 1 / sigmoid(w).
+  at::Tensor w;
+
+ protected:
+  at::Tensor charge(const at::Tensor& v, const at::Tensor& x) const override;
+};
+/// A holder for ParametricLIFNodeImpl, as torch::nn's modules have.
+TORCH_MODULE(ParametricLIFNode);
 
 /// Whether this build holds the fused neuron CUDA kernels (built into
 /// mpipe::mpipe when CMake found nvcc, option MPIPE_CUDA_KERNELS; never in

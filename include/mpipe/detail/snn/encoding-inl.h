@@ -32,6 +32,12 @@ MPIPE_FUNC at::Tensor poisson_encode(const at::Tensor& x) {
   return at::rand_like(x).lt(x).to(x.scalar_type());
 }
 
+MPIPE_FUNC at::Tensor poisson_encode_unchecked(const at::Tensor& x) {
+  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
+              "mpipe::snn::poisson_encode_unchecked: x must be a floating-point tensor");
+  return at::rand_like(x).le(x).to(x.scalar_type());
+}
+
 MPIPE_FUNC at::Tensor rate_from_sum(const at::Tensor& summed_spikes, int64_t T) {
   TORCH_CHECK(T > 0, "mpipe::snn::rate_from_sum: T must be positive, got ", T);
   return summed_spikes / static_cast<double>(T);

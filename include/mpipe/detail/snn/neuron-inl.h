@@ -4,6 +4,8 @@
 
 #include "mpipe/snn/neuron.h"
 
+#include "mpipe/checkpoint.h"
+
 #include "mpipe/detail/snn/fused_neuron.h"
 
 #include <ATen/Functions.h>
@@ -57,7 +59,15 @@ MPIPE_FUNC at::Tensor NeuronBase::single_step(const at::Tensor& x_in) {
   const bool widen = detail::widens(float_membrane_, x_in);
   const at::Tensor x = widen ? x_in.to(at::kFloat) : x_in;
   at::Tensor spike = step(x);
+  count(spike);
   return widen ? spike.to(x_in.scalar_type()) : spike;
+}
+
+MPIPE_FUNC void NeuronBase::count(const at::Tensor& spikes) {
+  if (!counting_ || is_recomputing()) return;
+  const at::Tensor n = spikes.detach().sum(at::kDouble);
+  spikes_ = spikes_.defined() ? spikes_ + n : n;
+  elements_ += spikes.numel();
 }
 
 MPIPE_FUNC at::Tensor NeuronBase::multi_step(const at::Tensor& x_in) {
@@ -70,6 +80,7 @@ MPIPE_FUNC at::Tensor NeuronBase::multi_step(const at::Tensor& x_in) {
   const bool widen = detail::widens(float_membrane_, x_in);
   const at::Tensor x = widen ? x_in.to(at::kFloat) : x_in;
   at::Tensor spikes = steps(x);
+  count(spikes);
   return widen ? spikes.to(x_in.scalar_type()) : spikes;
 }
 
@@ -97,8 +108,7 @@ MPIPE_FUNC void NeuronBase::fill_spec(detail::NeuronSpec& spec) const {
   spec.hard_reset = v_reset_.has_value();
   spec.v_reset = v_reset_.value_or(0.0);
   spec.detach_reset = detach_reset_;
-  spec.surrogate = surrogate_.kind() == Surrogate::Kind::Sigmoid ? detail::kSurrogateSigmoid
-                                                                 : detail::kSurrogateATan;
+  spec.surrogate = static_cast<int>(surrogate_.kind());  // detail::SurrogateKind's order
   spec.alpha = surrogate_.alpha();
 }
 
@@ -188,6 +198,38 @@ MPIPE_FUNC at::Tensor LIFNodeImpl::charge(const at::Tensor& v, const at::Tensor&
 
 MPIPE_FUNC void LIFNodeImpl::pretty_print(std::ostream& stream) const {
   stream << "mpipe::snn::LIFNode(tau=" << options.tau()
+         << ", decay_input=" << (options.decay_input() ? "true" : "false") << ", ";
+  print_common(stream);
+  stream << ")";
+}
+
+MPIPE_FUNC ParametricLIFNodeImpl::ParametricLIFNodeImpl(ParametricLIFNodeOptions options_)
+    : NeuronBase("ParametricLIFNode", options_.v_threshold(), options_.v_reset(),
+                 options_.detach_reset(), options_.surrogate(), /*fused=*/false,
+                 options_.float_membrane(), options_.step_mode(),
+                 options_.decay_input() ? ChargeKind::LIFDecayInput : ChargeKind::LIF,
+                 options_.init_tau()),
+      options(options_) {
+  TORCH_CHECK(options.init_tau() > 1 && std::isfinite(options.init_tau()),
+              "mpipe::snn::ParametricLIFNode: init_tau must be a finite number > 1, got ",
+              options.init_tau());
+  // sigmoid(w) = 1 / init_tau.
+  w = register_parameter("w", at::full({}, -std::log(options.init_tau() - 1), at::kFloat));
+}
+
+MPIPE_FUNC double ParametricLIFNodeImpl::tau() const {
+  return 1 / at::sigmoid(w.detach()).item<double>();
+}
+
+MPIPE_FUNC at::Tensor ParametricLIFNodeImpl::charge(const at::Tensor& v, const at::Tensor& x) const {
+  const double v_reset = v_reset_.value_or(0.0);
+  const at::Tensor k = at::sigmoid(w).to(v.scalar_type());
+  if (options.decay_input()) return v + (x - (v - v_reset)) * k;
+  return v - (v - v_reset) * k + x;
+}
+
+MPIPE_FUNC void ParametricLIFNodeImpl::pretty_print(std::ostream& stream) const {
+  stream << "mpipe::snn::ParametricLIFNode(tau=" << tau()
          << ", decay_input=" << (options.decay_input() ? "true" : "false") << ", ";
   print_common(stream);
   stream << ")";

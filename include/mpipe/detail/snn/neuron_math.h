@@ -19,7 +19,14 @@ namespace mpipe {
 namespace detail {
 
 enum ChargeKind : int { kChargeIF = 0, kChargeLIFDecayInput = 1, kChargeLIF = 2 };
-enum SurrogateKind : int { kSurrogateSigmoid = 0, kSurrogateATan = 1 };
+// The order of snn::Surrogate::Kind.
+enum SurrogateKind : int {
+  kSurrogateSigmoid = 0,
+  kSurrogateATan = 1,
+  kSurrogatePiecewiseQuadratic = 2,
+  kSurrogateSoftSign = 3,
+  kSurrogateErf = 4,
+};
 
 /// A neuron's settings, in double; NeuronConsts<A> holds them in the type
 /// the arithmetic runs in.
@@ -39,7 +46,7 @@ struct NeuronConsts {
   int charge;
   bool hard_reset, detach_reset;
   int surrogate;
-  A tau, thr, vr, alpha, atan_scale, atan_half_alpha, dh_dx, dh_dv;
+  A tau, thr, vr, alpha, atan_scale, atan_half_alpha, inv_alpha, alpha_sq, erf_scale, dh_dx, dh_dv;
 
   explicit NeuronConsts(const NeuronSpec& s)
       : charge(s.charge),
@@ -52,6 +59,9 @@ struct NeuronConsts {
         alpha(static_cast<A>(s.alpha)),
         atan_scale(static_cast<A>(3.14159265358979323846 / 2 * s.alpha)),
         atan_half_alpha(static_cast<A>(s.alpha / 2)),
+        inv_alpha(static_cast<A>(1 / s.alpha)),
+        alpha_sq(static_cast<A>(s.alpha * s.alpha)),
+        erf_scale(static_cast<A>(s.alpha / 1.7724538509055160273)),  // alpha / sqrt(pi)
         dh_dx(static_cast<A>(s.charge == kChargeLIFDecayInput ? 1.0 / s.tau : 1.0)),
         dh_dv(static_cast<A>(s.charge == kChargeIF ? 1.0 : 1.0 - 1.0 / s.tau)) {}
 };
@@ -86,12 +96,21 @@ MPIPE_HD inline void neuron_backward(const NeuronConsts<A>& c, A gs, A gv, A h, 
                                      A& gv_prev) {
   const A u = h - c.thr;
   A sg;
+  const A au = u < A(0) ? -u : u;
   if (c.surrogate == kSurrogateSigmoid) {
     const A sig = A(1) / (A(1) + neuron_exp(-(u * c.alpha)));
     sg = sig * (A(1) - sig) * c.alpha;
-  } else {
+  } else if (c.surrogate == kSurrogateATan) {
     const A w = u * c.atan_scale;
     sg = c.atan_half_alpha / (w * w + A(1));
+  } else if (c.surrogate == kSurrogatePiecewiseQuadratic) {
+    sg = au > c.inv_alpha ? A(0) : au * (-c.alpha_sq) + c.alpha;
+  } else if (c.surrogate == kSurrogateSoftSign) {
+    const A d = au * c.alpha + A(1);
+    sg = c.alpha / (d * d * A(2));
+  } else {  // Erf
+    const A w = u * c.alpha;
+    sg = neuron_exp(-(w * w)) * c.erf_scale;
   }
   const A s = u >= A(0) ? A(1) : A(0);
   // v_next = h (1 - s) + v_reset s (hard) or h - v_threshold s (soft).

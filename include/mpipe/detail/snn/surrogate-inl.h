@@ -32,9 +32,8 @@ struct SpikeFunction : torch::autograd::Function<SpikeFunction> {
     const at::Tensor x = ctx->get_saved_variables()[0];
     const auto kind = static_cast<snn::Surrogate::Kind>(ctx->saved_data["kind"].toInt());
     const double alpha = ctx->saved_data["alpha"].toDouble();
-    const snn::Surrogate s = kind == snn::Surrogate::Kind::Sigmoid ? snn::Surrogate::sigmoid(alpha)
-                                                                   : snn::Surrogate::atan(alpha);
-    return {grad_out[0] * s.derivative(x), at::Tensor(), at::Tensor()};
+    return {grad_out[0] * snn::Surrogate::of(kind, alpha).derivative(x), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -52,22 +51,55 @@ MPIPE_FUNC at::Tensor Surrogate::operator()(const at::Tensor& x) const {
 }
 
 MPIPE_FUNC at::Tensor Surrogate::smooth(const at::Tensor& x) const {
-  if (kind_ == Kind::Sigmoid) return at::sigmoid(x * alpha_);
-  return at::atan(x * (detail::kPi / 2 * alpha_)) / detail::kPi + 0.5;
+  switch (kind_) {
+    case Kind::Sigmoid:
+      return at::sigmoid(x * alpha_);
+    case Kind::ATan:
+      return at::atan(x * (detail::kPi / 2 * alpha_)) / detail::kPi + 0.5;
+    case Kind::PiecewiseQuadratic: {
+      // 0 below -1/alpha, 1 above 1/alpha, a quadratic between (SpikingJelly's primitive).
+      const at::Tensor inside = x.abs() <= 1 / alpha_;
+      const at::Tensor mid = x * x * x.sign() * (-alpha_ * alpha_ / 2) + x * alpha_ + 0.5;
+      return at::where(inside, mid, (x > 1 / alpha_).to(x.scalar_type()));
+    }
+    case Kind::SoftSign:
+      return (x * alpha_ / (x.abs() * alpha_ + 1) + 1) / 2;
+    case Kind::Erf:
+      return (at::erf(x * alpha_) + 1) / 2;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown surrogate");
 }
 
 MPIPE_FUNC at::Tensor Surrogate::derivative(const at::Tensor& x) const {
-  if (kind_ == Kind::Sigmoid) {
-    const at::Tensor s = at::sigmoid(x * alpha_);
-    return s * (1 - s) * alpha_;
+  switch (kind_) {
+    case Kind::Sigmoid: {
+      const at::Tensor s = at::sigmoid(x * alpha_);
+      return s * (1 - s) * alpha_;
+    }
+    case Kind::ATan: {
+      const at::Tensor u = x * (detail::kPi / 2 * alpha_);
+      return (alpha_ / 2) / (u * u + 1);
+    }
+    case Kind::PiecewiseQuadratic: {
+      const at::Tensor a = x.abs();
+      return (a * (-alpha_ * alpha_) + alpha_).masked_fill(a > 1 / alpha_, 0);
+    }
+    case Kind::SoftSign: {
+      const at::Tensor d = x.abs() * alpha_ + 1;
+      return alpha_ / (d * d * 2);
+    }
+    case Kind::Erf: {
+      const at::Tensor u = x * alpha_;
+      return (-(u * u)).exp() * (alpha_ / std::sqrt(detail::kPi));
+    }
   }
-  const at::Tensor u = x * (detail::kPi / 2 * alpha_);
-  return (alpha_ / 2) / (u * u + 1);
+  TORCH_INTERNAL_ASSERT(false, "unknown surrogate");
 }
 
 MPIPE_FUNC std::string Surrogate::name() const {
+  static const char* const names[] = {"Sigmoid", "ATan", "PiecewiseQuadratic", "SoftSign", "Erf"};
   std::ostringstream out;
-  out << (kind_ == Kind::Sigmoid ? "Sigmoid" : "ATan") << "(alpha=" << alpha_ << ")";
+  out << names[static_cast<int>(kind_)] << "(alpha=" << alpha_ << ")";
   return out.str();
 }
 
