@@ -28,12 +28,28 @@ if(NOT BUILD_TYPE MATCHES "^(Release|RelWithDebInfo|MinSizeRel)$")
   message(STATUS "bench smoke: ${BUILD_TYPE} build, overhead ratios not guarded")
   return()
 endif()
-foreach(key forward_inline_to_plain forward_threads_to_plain train_step_inline_to_plain
-            train_step_threads_to_plain)
+# Two reps are noisy on a loaded machine: a ratio above the bound is measured
+# again with more reps before it fails the test.
+set(keys forward_inline_to_plain forward_threads_to_plain train_step_inline_to_plain
+         train_step_threads_to_plain)
+set(again FALSE)
+foreach(key ${keys})
   string(JSON ratio GET "${text}" workloads overhead ${key})
-  if(ratio GREATER 6)
-    message(FATAL_ERROR "overhead ${key} = ${ratio}: the pipeline's cost per task regressed "
-                        "(more than 6x the plain loop of the same stage calls)")
-  endif()
   message(STATUS "bench smoke: overhead ${key} = ${ratio}")
+  if(ratio GREATER 6)
+    set(again TRUE)
+  endif()
 endforeach()
+if(again)
+  execute_process(COMMAND ${BENCH} --device cpu --only overhead --reps 9 --warmup 2
+                          --json ${OUT}.overhead RESULT_VARIABLE rc)
+  file(READ ${OUT}.overhead text)
+  foreach(key ${keys})
+    string(JSON ratio GET "${text}" workloads overhead ${key})
+    if(ratio GREATER 6)
+      message(FATAL_ERROR "overhead ${key} = ${ratio} twice: the pipeline's cost per task "
+                          "regressed (more than 6x the plain loop of the same stage calls)")
+    endif()
+    message(STATUS "bench smoke: overhead ${key} = ${ratio} (measured again, 9 reps)")
+  endforeach()
+endif()
