@@ -514,3 +514,31 @@ TEST(AutoCudaGraphs, CallsThatDrawHoldStateOrCannotBeCapturedStayEager_CUDA) {
     }
   }
 }
+
+// A stage switched to eval mode on its own (the pipeline's flag unchanged) is
+// another graph: BatchNorm in training mode normalises by the batch's
+// statistics, in eval mode by the running ones.
+TEST(AutoCudaGraphs, AStageSwitchedToEvalOnItsOwnIsAnotherGraph_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(26);
+  torch::nn::Sequential norm(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16));
+  norm->eval();
+  auto first = mlp_stage(16, 16);
+  auto pipe = ModelPipeline();
+  pipe->append(first, g).append(norm, g);
+  pipe->eval();
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({8, 16}, g);
+  for (int call = 0; call < 4; ++call) pipe->forward(x, 4);
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
+  norm->train();  // this stage alone: batch statistics from now on
+  const auto want = torch::cat({norm->forward(first->forward(x.narrow(0, 0, 4))),
+                                norm->forward(first->forward(x.narrow(0, 4, 4)))});
+  torch::Tensor got;
+  for (int call = 0; call < 4; ++call) got = pipe->forward(x, 4);
+  // Running statistics moved with every training-mode call: compare the
+  // normalisation by batch statistics, which does not depend on them.
+  expect_close(got, want, 1e-5, "batch statistics after the switch");
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 2u);
+}

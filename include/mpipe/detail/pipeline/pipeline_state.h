@@ -119,6 +119,8 @@ struct ModelPipelineImpl::State {
   /// The call run eagerly or replayed, as Note [Automatic CUDA graphs] decides.
   at::Tensor auto_graphed(const detail::GraphKey& key, const at::Tensor& x,
                           const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
+  /// The cache's key of a graphed call: `key` and every module's training flag.
+  std::string graph_key(const detail::GraphKey& key) const;
   /// The parameters and buffers a graph reads in place.
   std::vector<at::Tensor> watched_tensors() const;
   /// A training step: replayed from a CUDA graph when step_graphable, else

@@ -226,6 +226,14 @@ MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) co
   return could_graph(x);
 }
 
+MPIPE_FUNC std::string ModelPipelineImpl::State::graph_key(const GraphKey& key) const {
+  // A capture fixes each module's branch on its training flag: a stage put
+  // in eval (or train) mode on its own is another graph.
+  std::string modes;
+  for (const auto& m : self.modules(/*include_self=*/false)) modes += m->is_training() ? '1' : '0';
+  return key.str() + "|" + modes;
+}
+
 MPIPE_FUNC std::vector<at::Tensor> ModelPipelineImpl::State::watched_tensors() const {
   std::vector<at::Tensor> watched = self.parameters();
   for (auto& b : self.buffers()) watched.push_back(std::move(b));
@@ -242,7 +250,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
     ~Flag() { on = false; }
   } graph_run{in_graph_run};
   at::Tensor out = detail::run_graphed(
-      *graphs, key.str(), x, watched_tensors(),
+      *graphs, graph_key(key), x, watched_tensors(),
       [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
       [this] { reset_states(self); });
   if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
@@ -259,10 +267,11 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
 //  - no gradients, one CUDA device, one input tensor, one process, no
 //    timeline (the rules of Note [CUDA graphs]), and no Stateful module at
 //    all: a graph starts from reset state, an eager call carries state on;
-//  - the same key (GraphKey: method, arguments, input shape and dtype, module
-//    mode, autocast state) ran eagerly twice before, so one-off shapes cost no
-//    capture, and neither run drew random numbers (draws_seen: a replay would
-//    draw other numbers than the per-item generators of Note [Random draws]);
+//  - the same key (GraphKey: method, arguments, input shape and dtype,
+//    autocast state; with graph_key, every module's train/eval flag) ran
+//    eagerly twice before, so one-off shapes cost no capture, and neither run
+//    drew random numbers (draws_seen: a replay would draw other numbers than
+//    the per-item generators of Note [Random draws]);
 //  - a capture that fails (a stage that synchronises, such as .item()) is not
 //    reported: the key stays eager for good;
 //  - a graph whose parameters or buffers moved to new storage (to(),
@@ -283,7 +292,7 @@ constexpr int kAutoMoves = 2;
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
     const GraphKey& key, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
-  const std::string k = key.str();
+  const std::string k = graph_key(key);
   const detail::Held held = detail::holds_graph(*graphs, k, watched_tensors());
   // An eager call takes its seed from the CPU generator (Note [Random draws]);
   // a replayed one takes it too, so that later draws do not tell them apart.
@@ -353,7 +362,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
       ~Flag() { on = false; }
     } graphed{in_graphed_step};
     at::Tensor loss = detail::run_graphed_step(
-        *graphs, key.str(), {x, target}, self.parameters(),
+        *graphs, graph_key(key), {x, target}, self.parameters(),
         [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
         [this] { reset_states(self); });
     if (loss.defined()) {
