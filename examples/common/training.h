@@ -130,20 +130,28 @@ struct CommonFlags {
   bool memory_report = false;
 };
 
-inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help) {
+/// The flags of every example: --devices, --data, --out, --seed, --quick, --skip-if-no-data.
+inline void add_run_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help,
+                          const std::string& data_help, const std::string& out_help) {
   app.add_option("--devices", f.devices,
                  "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
-  app.add_option("--data", f.data, "folder with the Fashion-MNIST IDX files (.gz or not)");
-  app.add_option("--out", f.out, "folder for the trained weights");
+  app.add_option("--data", f.data, data_help);
+  app.add_option("--out", f.out, out_help);
   app.add_option("--seed", f.seed, "random seed");
+  app.add_flag("--quick", f.quick, quick_help);
+  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
+               "exit 77 (a skip for ctest) when the data set is not installed");
+}
+
+/// add_run_flags for the Fashion-MNIST examples, and their own flags.
+inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help) {
+  add_run_flags(app, f, quick_help, "folder with the Fashion-MNIST IDX files (.gz or not)",
+                "folder for the trained weights");
   app.add_option("--train-limit", f.train_limit, "use the first N training images (0: all)");
   app.add_option("--test-limit", f.test_limit, "use the first N test images (0: all)");
   app.add_option("--min-accuracy", f.min_accuracy,
                  "exit 1 if the final test accuracy (a fraction) is below this");
-  app.add_flag("--quick", f.quick, quick_help);
   app.add_flag("--inline", f.inline_host, "issue all stages from the caller's thread");
-  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
-               "exit 77 (a skip for ctest) when the data set is not installed");
   app.add_option("--timeline", f.timeline,
                  "record the second training step's tasks; write PREFIX.json (Chrome trace) and "
                  "PREFIX.svg (Gantt chart)");

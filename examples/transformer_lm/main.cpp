@@ -731,15 +731,9 @@ int main(int argc, char** argv) {
   examples::CommonFlags& f = c.common;
   f.data = kDefaultData;
   f.out = "transformer_lm_out";
-  app.add_option("--devices", f.devices,
-                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
-  app.add_option("--data", f.data, "folder of the fortunes text files (default " +
-                 std::string(kDefaultData) + ")");
-  app.add_option("--out", f.out, "folder for weights, optimizer state and the loss curve");
-  app.add_option("--seed", f.seed, "random seed");
-  app.add_flag("--quick", f.quick, "a brief run: the CPU's tiny model, 200 steps");
-  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
-               "exit 77 (a skip for ctest) when the text is not installed");
+  examples::add_run_flags(app, f, "a brief run: the CPU's tiny model, 200 steps",
+                          "folder of the fortunes text files (default " + std::string(kDefaultData) + ")",
+                          "folder for weights, optimizer state and the loss curve");
   CLI11_PARSE(app, argc, argv);
   return examples::run_guarded([&] { return run(c); });
 }
