@@ -114,7 +114,9 @@ struct ModelPipelineImpl::State {
   /// Whether it may be captured automatically (options.auto_cuda_graphs).
   bool auto_graphable(const at::Tensor& x) const;
   /// The call `eager(x, threaded)`, or its CUDA-graph replay when allowed.
-  at::Tensor graphed_or_eager(const detail::GraphKey& key, const at::Tensor& x,
+  /// `key` is graph_key's, `watched` watched_tensors().
+  at::Tensor graphed_or_eager(const std::string& key, const std::vector<at::Tensor>& watched,
+                              const at::Tensor& x,
                               const std::function<at::Tensor(const at::Tensor&, bool)>& eager);
   /// The call run eagerly or replayed, as Note [Automatic CUDA graphs] decides.
   at::Tensor auto_graphed(const detail::GraphKey& key, const at::Tensor& x,

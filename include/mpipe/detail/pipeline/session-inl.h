@@ -49,6 +49,15 @@ MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
 // kind, a few lines each (calls-inl.h, train_steps-inl.h).
 
 namespace detail {
+/// Sets a flag for its lifetime.
+struct ScopedFlag {
+  bool& on;
+  explicit ScopedFlag(bool& flag) : on(flag) { on = true; }
+  ~ScopedFlag() { on = false; }
+  ScopedFlag(const ScopedFlag&) = delete;
+  ScopedFlag& operator=(const ScopedFlag&) = delete;
+};
+
 /// The key of a graphed call: what its capture depends on.
 MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::Tensor& x,
                            const at::Tensor& target, bool training) {
@@ -116,7 +125,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
       if (kind.step) return {run_step(key, x, target, eager)};
       auto no_target = [&](const at::Tensor& xg, bool th) { return eager(xg, at::Tensor(), th); };
       if (graphable(x)) {
-        at::Tensor out = graphed_or_eager(key, x, no_target);
+        at::Tensor out = graphed_or_eager(graph_key(key), watched_tensors(), x, no_target);
         if (out.defined()) return {out};
       } else if (auto_graphable(x)) {
         return {auto_graphed(key, x, no_target)};
@@ -241,16 +250,12 @@ MPIPE_FUNC std::vector<at::Tensor> ModelPipelineImpl::State::watched_tensors() c
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
-    const GraphKey& key, const at::Tensor& x,
+    const std::string& key, const std::vector<at::Tensor>& watched, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-  struct Flag {              // lanes(0) means 2 lanes in a graph (calls-inl.h)
-    bool& on;
-    explicit Flag(bool& f) : on(f) { on = true; }
-    ~Flag() { on = false; }
-  } graph_run{in_graph_run};
+  detail::ScopedFlag graph_run(in_graph_run);  // lanes(0) means 2 lanes in a graph (calls-inl.h)
   at::Tensor out = detail::run_graphed(
-      *graphs, graph_key(key), x, watched_tensors(),
+      *graphs, key, x, watched,
       [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
       [this] { reset_states(self); });
   if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
@@ -293,13 +298,14 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
     const GraphKey& key, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   const std::string k = graph_key(key);
-  const detail::Held held = detail::holds_graph(*graphs, k, watched_tensors());
+  const std::vector<at::Tensor> watched = watched_tensors();
+  const detail::Held held = detail::holds_graph(*graphs, k, watched);
   // An eager call takes its seed from the CPU generator (Note [Random draws]);
   // a replayed one takes it too, so that later draws do not tell them apart.
   auto as_eager_draws = [this] { (void)detail::CallRng::begin(devices); };
   if (held == detail::Held::Held) {
     as_eager_draws();
-    return graphed_or_eager(key, x, eager);
+    return graphed_or_eager(k, watched, x, eager);
   }
   if (auto_graphs.size() >= 256 && auto_graphs.count(k) == 0) auto_graphs.clear();  // many shapes
   AutoGraph& seen = auto_graphs[k];
@@ -307,7 +313,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
   if (!seen.refused && seen.eager_runs >= kAutoEagerRuns &&
       detail::graphs_held(*graphs) < kMaxAutoGraphs) {
     try {
-      at::Tensor out = graphed_or_eager(key, x, eager);
+      at::Tensor out = graphed_or_eager(k, watched, x, eager);
       if (out.defined()) {
         as_eager_draws();
         return out;
@@ -356,11 +362,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
   if (self.options.cuda_graphs() && step_graphable(x, target) && !casts_beat_graphs(x)) {
     detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-    struct Flag {  // graphed steps keep autograd's accumulation (Note [Cast gradients per step])
-      bool& on;
-      explicit Flag(bool& f) : on(f) { on = true; }
-      ~Flag() { on = false; }
-    } graphed{in_graphed_step};
+    // Graphed steps keep autograd's accumulation (Note [Cast gradients per step]).
+    detail::ScopedFlag graphed(in_graphed_step);
     at::Tensor loss = detail::run_graphed_step(
         *graphs, graph_key(key), {x, target}, self.parameters(),
         [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
