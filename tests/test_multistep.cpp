@@ -21,8 +21,9 @@ using mpipe::snn::Surrogate;
 namespace {
 
 /// Every neuron variant the options allow (IF, LIF with and without
-/// decay_input; hard, negative-hard and soft reset; detach_reset; both
-/// surrogates), fused or not, with float_membrane as given.
+/// decay_input; hard, negative-hard and soft reset; detach_reset; every
+/// surrogate, the last three on LIF only), fused or not, with float_membrane
+/// as given; and, unfused, ParametricLIFNode with each reset and charge.
 std::vector<std::pair<std::string, std::function<std::shared_ptr<NeuronBase>()>>> neuron_variants(
     bool fused, bool float_membrane = true) {
   std::vector<std::pair<std::string, std::function<std::shared_ptr<NeuronBase>()>>> out;
@@ -31,9 +32,14 @@ std::vector<std::pair<std::string, std::function<std::shared_ptr<NeuronBase>()>>
          {std::optional<double>(0.0), std::optional<double>(-0.2), std::optional<double>()}) {
       for (bool decay_input : {true, false}) {
         for (bool detach_reset : {false, true}) {
-          for (int kind = 0; kind < 2; ++kind) {
+          for (int kind = 0; kind < 5; ++kind) {
             if (!lif && !decay_input) continue;
-            const Surrogate s = kind == 0 ? Surrogate::atan() : Surrogate::sigmoid(3.0);
+            if (!lif && kind >= 2) continue;  // the newer surrogates: on LIF, every reset
+            const Surrogate s = kind == 0   ? Surrogate::atan()
+                                : kind == 1 ? Surrogate::sigmoid(3.0)
+                                : kind == 2 ? Surrogate::piecewise_quadratic(0.8)
+                                : kind == 3 ? Surrogate::soft_sign()
+                                            : Surrogate::erf(1.5);
             const std::string name = std::string(lif ? "LIF" : "IF") +
                                      " v_reset=" + (v_reset ? std::to_string(*v_reset) : "soft") +
                                      " decay_input=" + std::to_string(decay_input) +
@@ -63,6 +69,24 @@ std::vector<std::pair<std::string, std::function<std::shared_ptr<NeuronBase>()>>
             });
           }
         }
+      }
+    }
+  }
+  if (!fused) {
+    for (std::optional<double> v_reset : {std::optional<double>(0.0), std::optional<double>()}) {
+      for (bool decay_input : {true, false}) {
+        const std::string name = std::string("ParametricLIF v_reset=") +
+                                 (v_reset ? "0" : "soft") +
+                                 " decay_input=" + std::to_string(decay_input);
+        out.emplace_back(name, [=]() -> std::shared_ptr<NeuronBase> {
+          return mpipe::snn::ParametricLIFNode(mpipe::snn::ParametricLIFNodeOptions()
+                                                   .init_tau(2.5)
+                                                   .v_threshold(0.8)
+                                                   .v_reset(v_reset)
+                                                   .decay_input(decay_input)
+                                                   .float_membrane(float_membrane))
+              .ptr();
+        });
       }
     }
   }
@@ -697,5 +721,89 @@ TEST(TimeChunks, SumsOverStepsAddInStepOrderAndGraphedCallsReplay_CUDA) {
       if (graphs) EXPECT_EQ(counting->calls, calls) << "the third calls must be replays";
     }
     if (graphs) EXPECT_EQ(multi->cuda_graphs_captured(), 16u) << "2 methods x 2 reductions x 4 chunks";
+  }
+}
+
+// ParametricLIFNode through the pipeline: constant_train_step with single-step
+// stages and with time chunks, threaded and inline, checkpointed or not,
+// against a plain loop over T steps; the loss, every Linear's and every
+// neuron's w gradient.
+TEST(TimeChunks, ParametricLIFStagesTrainLikeAPlainLoop) {
+  using mpipe::snn::ParametricLIFNode;
+  using mpipe::snn::ParametricLIFNodeOptions;
+  const int64_t T = 6, N = 4, W = 8;
+  struct Net {
+    std::vector<torch::nn::Linear> fc;
+    std::vector<ParametricLIFNode> neuron;
+  };
+  auto make = [&](StepMode mode) {
+    torch::manual_seed(31);
+    Net net;
+    for (int s = 0; s < 3; ++s) {
+      net.fc.emplace_back(W, W);
+      net.fc.back()->to(torch::kDouble);
+      net.neuron.emplace_back(ParametricLIFNodeOptions()
+                                  .init_tau(1.5 + s)
+                                  .v_threshold(0.3)
+                                  .v_reset(s == 1 ? std::nullopt : std::optional<double>(0.0))
+                                  .step_mode(mode));
+      net.neuron.back()->to(torch::kDouble);
+    }
+    return net;
+  };
+  torch::manual_seed(32);
+  const auto x = torch::rand({N, W}, torch::kDouble) * 1.5;
+  const auto target = torch::rand({N, W}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return (out - y).pow(2).mean(); };
+  auto grads = [](const Net& net) {
+    std::vector<torch::Tensor> g;
+    for (size_t s = 0; s < 3; ++s) {
+      g.push_back(net.fc[s]->weight.grad());
+      g.push_back(net.neuron[s]->w.grad());
+    }
+    return g;
+  };
+  // The plain loop.
+  Net ref = make(StepMode::Single);
+  torch::Tensor sum;
+  for (int64_t t = 0; t < T; ++t) {
+    torch::Tensor h = x;
+    for (size_t s = 0; s < 3; ++s) h = ref.neuron[s](ref.fc[s](h));
+    sum = sum.defined() ? sum + h : h;
+  }
+  const auto loss_ref = loss_fn(sum, target);
+  loss_ref.backward();
+  const auto want = grads(ref);
+  for (const auto& g : want) {
+    ASSERT_TRUE(g.defined());
+    ASSERT_GT(g.abs().sum().item<double>(), 0.0) << "every layer must get a gradient";
+  }
+  for (int64_t k : {0, 1, 4, 6}) {  // 0: single-step stages
+    for (bool threads : {true, false}) {
+      for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+        SCOPED_TRACE("chunk " + std::to_string(k) + " threads=" + std::to_string(threads) +
+                     " checkpoint=" + std::to_string(static_cast<int>(checkpoint)));
+        Net net = make(k == 0 ? StepMode::Single : StepMode::Multi);
+        auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
+        for (size_t s = 0; s < 3; ++s) {
+          torch::nn::Sequential stage;
+          if (k == 0) {
+            stage->push_back(net.fc[s]);
+          } else {
+            stage->push_back(SeqToANN(net.fc[s]));
+          }
+          stage->push_back(net.neuron[s]);
+          pipe->append(stage, "cpu");
+        }
+        const auto loss = k == 0 ? pipe->constant_train_step(x, T, target, loss_fn)
+                                 : pipe->constant_train_step(x, T, target, loss_fn, k);
+        expect_close(loss, loss_ref, 1e-14, "loss");
+        const auto got = grads(net);
+        for (size_t i = 0; i < got.size(); ++i) {
+          expect_close(got[i], want[i], 1e-12, (i % 2 ? "w of neuron " : "weight of Linear ") +
+                                                    std::to_string(i / 2));
+        }
+      }
+    }
   }
 }
