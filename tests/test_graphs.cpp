@@ -515,15 +515,15 @@ TEST(AutoCudaGraphs, CallsThatDrawHoldStateOrCannotBeCapturedStayEager_CUDA) {
   }
 }
 
-// A stage switched to eval mode on its own (the pipeline's flag unchanged) is
-// another graph: BatchNorm in training mode normalises by the batch's
-// statistics, in eval mode by the running ones.
-TEST(AutoCudaGraphs, AStageSwitchedToEvalOnItsOwnIsAnotherGraph_CUDA) {
+// A stage switched to training mode on its own (the pipeline's flag
+// unchanged), here a BatchNorm, which updates its running statistics in every
+// call: such calls run eagerly, each updating them once, as without graphs.
+TEST(AutoCudaGraphs, AStageWithBuffersInTrainingModeRunsEagerly_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device g("cuda:0");
   torch::manual_seed(26);
-  torch::nn::Sequential norm(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16));
-  norm->eval();
+  torch::nn::BatchNorm1d bn(16);
+  torch::nn::Sequential norm(torch::nn::Linear(16, 16), bn);
   auto first = mlp_stage(16, 16);
   auto pipe = ModelPipeline();
   pipe->append(first, g).append(norm, g);
@@ -531,14 +531,18 @@ TEST(AutoCudaGraphs, AStageSwitchedToEvalOnItsOwnIsAnotherGraph_CUDA) {
   torch::NoGradGuard no_grad;
   const auto x = torch::randn({8, 16}, g);
   for (int call = 0; call < 4; ++call) pipe->forward(x, 4);
-  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
-  norm->train();  // this stage alone: batch statistics from now on
-  const auto want = torch::cat({norm->forward(first->forward(x.narrow(0, 0, 4))),
-                                norm->forward(first->forward(x.narrow(0, 4, 4)))});
-  torch::Tensor got;
-  for (int call = 0; call < 4; ++call) got = pipe->forward(x, 4);
-  // Running statistics moved with every training-mode call: compare the
-  // normalisation by batch statistics, which does not depend on them.
-  expect_close(got, want, 1e-5, "batch statistics after the switch");
-  EXPECT_EQ(pipe->cuda_graphs_captured(), 2u);
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u) << "eval mode: replayed";
+  norm->train();  // this stage alone: batch statistics, running statistics updated
+  for (int call = 0; call < 4; ++call) {
+    const int64_t before = bn->num_batches_tracked.item<int64_t>();
+    const auto got = pipe->forward(x, 4);
+    EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), before + 2) << "once per micro-batch";
+    const auto h = first->forward(x);
+    const auto want = torch::cat({torch::batch_norm(norm[0]->as<torch::nn::Linear>()->forward(h.narrow(0, 0, 4)),
+                                                    bn->weight, bn->bias, {}, {}, true, 0.1, 1e-5, false),
+                                  torch::batch_norm(norm[0]->as<torch::nn::Linear>()->forward(h.narrow(0, 4, 4)),
+                                                    bn->weight, bn->bias, {}, {}, true, 0.1, 1e-5, false)});
+    expect_close(got, want, 1e-5, "batch statistics, call " + std::to_string(call));
+  }
+  EXPECT_EQ(pipe->cuda_graphs_captured(), 1u) << "no graph of the training-mode stage";
 }

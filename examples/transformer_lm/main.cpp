@@ -58,7 +58,7 @@ struct Config {
   int64_t layers = 0, dim = 0, heads = 0, context = 0, batch = 0;  // 0: by device, below
   int64_t micro_batches = 8;
   int64_t steps = 0;
-  int64_t warmup = 0;
+  int64_t warmup = -1;  // -1: a tenth of the steps, at most 100
   int64_t eval_every = 0;  // 0: once per epoch (a pass over the training text)
   int64_t log_every = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
@@ -400,7 +400,7 @@ double validate(Model& m, const Config& c, const Corpus& corpus) {
 
 /// `n` characters sampled after `prompt`, each from the model's forward over
 /// the last `context` characters. Across processes the last rank samples and
-/// every rank learns the character through ProcessGroup::sum.
+/// every rank learns the character through ProcessGroup::max.
 std::string generate(Model& m, const Config& c, const Corpus& corpus, int64_t n) {
   torch::NoGradGuard no_grad;
   m.train(false);
@@ -425,7 +425,9 @@ std::string generate(Model& m, const Config& c, const Corpus& corpus, int64_t n)
       const auto probs = (logits[0][-1].to(torch::kFloat).cpu() / c.temperature).softmax(-1);
       next = static_cast<double>(at::multinomial(probs, 1, false, gen).item<int64_t>());
     }
-    if (c.group.defined()) next = c.group.sum(next);  // the last rank's choice, on every rank
+    // The last rank's choice (every other rank has 0), on every rank; max, not
+    // sum: with data-parallel replicas several last ranks choose alike.
+    if (c.group.defined()) next = c.group.max(next);
     ids.push_back(static_cast<int64_t>(next));
   }
   m.train(true);
@@ -452,13 +454,21 @@ int run(Config c) {
   pick(c.context, small ? 64 : 256);
   pick(c.batch, small ? 16 : 64);
   pick(c.steps, common.quick ? 200 : (cuda ? 2000 : 1000));
-  pick(c.warmup, std::min<int64_t>(100, c.steps / 10));
+  if (c.warmup < 0) c.warmup = std::min<int64_t>(100, c.steps / 10);
   pick(c.log_every, common.quick ? 50 : 100);
   if (c.precision.empty()) c.precision = cuda ? "bf16" : "fp32";
   if (c.precision != "fp32" && c.precision != "bf16") {
     throw std::runtime_error("--precision must be fp32 or bf16, got " + c.precision);
   }
   if (c.dim % c.heads != 0) throw std::runtime_error("--dim must be a multiple of --heads");
+  if (c.batch < c.micro_batches) {
+    throw std::runtime_error("--batch " + std::to_string(c.batch) + " is smaller than --micro-batches " +
+                             std::to_string(c.micro_batches));
+  }
+  if (c.group.defined() && virtual_stages > 1) {
+    throw std::runtime_error("--schedule interleaved runs in one process here (its stages go to "
+                             "devices by stage number, a rank holds a contiguous range)");
+  }
   if (c.layers + 2 < n_stages) {
     throw std::runtime_error("--layers " + std::to_string(c.layers) + " gives " +
                              std::to_string(c.layers + 2) + " layers for " +
@@ -588,8 +598,10 @@ int run(Config c) {
   double train_seconds = 0, interval_seconds = 0, val_loss = NAN;
   auto t_interval = examples::Clock::now();
   for (int64_t step = start; step < c.steps; ++step) {
-    // Random windows of the training text (the same on every rank: same seed).
-    const auto starts = torch::randint(corpus.train.size(0) - c.context - 1, {c.batch, 1},
+    // Random windows of the training text, from (seed, step): the same on
+    // every rank, and a resumed run draws the windows it would have drawn.
+    auto windows = at::make_generator<at::CPUGeneratorImpl>(common.seed * 1000003 + static_cast<uint64_t>(step));
+    const auto starts = torch::randint(corpus.train.size(0) - c.context - 1, {c.batch, 1}, windows,
                                        torch::TensorOptions(torch::kLong));
     const auto x = train_in.index({starts.to(m.in_device) + offsets_in});
     const auto y = train_out.index({starts.to(m.out_device) + 1 + offsets_out});

@@ -14,6 +14,7 @@
 // Counting adds one reduction per neuron step on the spikes' device; reading
 // the rates synchronises with it. Steps replayed from a CUDA graph
 // (cuda_graphs(true)) are not counted, nor recomputations (checkpointing).
+// A model with neurons is never replayed from a graph automatically.
 
 #include <mpipe/snn/neuron.h>
 
@@ -41,7 +42,8 @@ struct LayerRate {
 
 /// Counts the spikes of every neuron (IFNode, LIFNode, ParametricLIFNode) of
 /// a model while it lives: firing rates per layer since it started or since
-/// reset(). A neuron counts for one monitor at a time; the last one made wins.
+/// reset(). A neuron counts for one monitor at a time: the last one made
+/// takes it over (its count starts afresh), and an older monitor's end leaves it counting.
 class FiringRateMonitor {
  public:
   /// Starts counting in every neuron of `model` (the model itself included).

@@ -140,8 +140,14 @@ class NeuronBase : public torch::nn::Module, public Stateful {
   const std::vector<at::Tensor>& membrane_potentials() const { return v_.slots(); }
   /// Counts the spikes this neuron fires (FiringRateMonitor, mpipe/snn/monitor.h):
   /// on, every step adds its spikes and elements to the count (on the
-  /// spikes' device, without synchronising); recomputations are not counted.
-  void count_spikes(bool on) noexcept { counting_ = on; }
+  /// spikes' device, without synchronising); recomputations and steps inside
+  /// a CUDA-graph capture are not counted. `owner` names who turned it on:
+  /// turning it off with another owner does nothing (the newer monitor keeps it).
+  void count_spikes(bool on, const void* owner = nullptr) noexcept {
+    if (!on && owner != nullptr && owner != counter_owner_) return;
+    counting_ = on;
+    counter_owner_ = on ? owner : nullptr;
+  }
   /// The spikes counted (a scalar tensor, undefined before any) and the
   /// elements they were fired from, since the last clear_spike_count().
   std::pair<at::Tensor, int64_t> spike_count() const { return {spikes_, elements_}; }
@@ -186,6 +192,7 @@ class NeuronBase : public torch::nn::Module, public Stateful {
  private:
   PerMicroBatch<at::Tensor> v_;
   bool counting_ = false;
+  const void* counter_owner_ = nullptr;
   at::Tensor spikes_;
   int64_t elements_ = 0;
 };

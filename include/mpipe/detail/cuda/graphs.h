@@ -34,13 +34,14 @@ struct GraphKey {
   std::vector<int64_t> target_sizes;
   c10::ScalarType target_dtype = c10::ScalarType::Undefined;
   bool training = false;   // the module's mode
+  bool inference = false;  // c10::InferenceMode: its tensors cannot be updated outside it
   std::string autocast = AutocastState::current().str();  // the caller's autocast state
 
   std::string str() const {
     return c10::str(method, "|", items, "|", reduce, "|", chunk, "|", schedule, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
-                    training ? "|train" : "|eval", "|", autocast);
+                    training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast);
   }
 };
 

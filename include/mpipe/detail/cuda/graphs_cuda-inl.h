@@ -107,23 +107,35 @@ MPIPE_FUNC size_t graphs_held(const GraphCache& cache) { return cache.size(); }
 // A capture that a stage invalidates (a synchronising call such as .item())
 // makes CUDAGraph::capture_end throw before it ends two things capture_begin
 // started: the allocator keeps routing to the graph's private pool (through a
-// filter that refers to the graph), and the default CUDA generator stays in
-// capture mode, so every later random op outside a capture fails ("Offset
-// increment outside graph capture"). undo_capture ends both, so the process
-// stays usable: the pool's routing ends and the pool is released (only if
-// capture_end had not got that far), and the generator gets back a copy of
-// its state from before the capture (graphsafe_set_state: that copy is not
-// capturing).
-MPIPE_FUNC void undo_capture(at::cuda::CUDAGraph& graph, c10::DeviceIndex device,
-                             at::Generator& gen, const at::Generator& before_capture) {
+// filter that refers to the graph, and while any such filter is listed the
+// allocator holds back blocks freed with pending stream uses), and the
+// default CUDA generator's state stays in capture mode, so every later random
+// op outside a capture fails ("Offset increment outside graph capture"), in
+// eager calls and in the replays of graphs captured before. undo_capture ends
+// both, so the process stays usable: the capture uses a pool of its own
+// (graph_pool_handle), whose routing it ends and which it releases (unless
+// capture_end got that far), and it mends the generator's state itself, not a
+// copy: a second capture, of one kernel, that succeeds runs the state's
+// capture epilogue.
+using PoolId = decltype(at::cuda::graph_pool_handle());
+
+MPIPE_FUNC void undo_capture(c10::DeviceIndex device, PoolId pool) noexcept {
   bool routed = true;
   try {
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, graph.pool());
-  } catch (...) {  // capture_end had ended it
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+  } catch (...) {  // capture_end had ended it; the graph releases its pool
     routed = false;
   }
-  if (routed) c10::cuda::CUDACachingAllocator::releasePool(device, graph.pool());
-  gen.graphsafe_set_state(before_capture);
+  try {
+    if (routed) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+    at::Tensor one = at::zeros({1}, at::TensorOptions().device(c10::Device(c10::kCUDA, device)));
+    at::cuda::CUDAGraph mend;
+    c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, device));
+    mend.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    one.add_(1);
+    mend.capture_end();
+  } catch (...) {  // the caller reports the capture's own error
+  }
 }
 
 /// Captures `body` into `graph` on a side stream forked from (and joined back
@@ -152,9 +164,8 @@ MPIPE_FUNC void capture(at::cuda::CUDAGraph& graph, const std::function<void()>&
     // Thread-local mode: only this thread is barred from unsafe CUDA calls
     // while capturing; the autograd engine's thread and others run freely.
     const c10::DeviceIndex device = caller.device_index();
-    at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
-    at::Generator before_capture = gen.clone();  // its state, outside any capture
-    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    const PoolId pool = at::cuda::graph_pool_handle();  // Note [A failed capture]
+    graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
     try {
       body();
       graph.capture_end();
@@ -163,7 +174,7 @@ MPIPE_FUNC void capture(at::cuda::CUDAGraph& graph, const std::function<void()>&
         graph.capture_end();
       } catch (...) {  // an invalidated capture: the first error is the one to report
       }
-      undo_capture(graph, device, gen, before_capture);
+      undo_capture(device, pool);
       throw;
     }
   }

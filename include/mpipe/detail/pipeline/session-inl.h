@@ -22,6 +22,7 @@
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 namespace mpipe {
@@ -77,6 +78,7 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
     key.target_dtype = target.scalar_type();
   }
   key.training = training;
+  key.inference = c10::InferenceMode::is_enabled();
   return key;
 }
 }  // namespace detail
@@ -232,6 +234,11 @@ MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) co
   for (const auto& stage : stateful) {
     if (!stage.empty()) return false;  // a graph would reset the state a call carries
   }
+  // A module in training mode that holds buffers (BatchNorm) updates them in
+  // every call: the capturing call's warm-up would update them twice.
+  for (const auto& m : self.modules(/*include_self=*/false)) {
+    if (m->is_training() && !m->buffers(/*recurse=*/false).empty()) return false;
+  }
   return could_graph(x);
 }
 
@@ -272,6 +279,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
 //  - no gradients, one CUDA device, one input tensor, one process, no
 //    timeline (the rules of Note [CUDA graphs]), and no Stateful module at
 //    all: a graph starts from reset state, an eager call carries state on;
+//    no module in training mode with buffers (BatchNorm updating its running
+//    statistics: the capturing call's warm-up would update them twice);
 //  - the same key (GraphKey: method, arguments, input shape and dtype,
 //    autocast state; with graph_key, every module's train/eval flag) ran
 //    eagerly twice before, so one-off shapes cost no capture, and neither run
@@ -289,7 +298,10 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
 // call does, so code after it draws the same numbers either way. What cannot
 // be checked is host state a stage's forward reads (a counter, a flag or a
 // scalar member changed between calls): the replay repeats the capture's
-// device work, so such stages need auto_cuda_graphs(false).
+// device work, so such stages need auto_cuda_graphs(false). While a capture
+// runs (once per key), the device's default CUDA generator is in capture
+// mode for the whole process: another thread drawing random numbers on that
+// device at that moment fails, as with torch.cuda.graphs.
 constexpr size_t kMaxAutoGraphs = 4;
 constexpr int kAutoEagerRuns = 2;
 constexpr int kAutoMoves = 2;

@@ -15,14 +15,14 @@ MPIPE_FUNC FiringRateMonitor::FiringRateMonitor(torch::nn::Module& model) {
   for (const auto& item : model.named_modules()) {
     if (auto neuron = std::dynamic_pointer_cast<NeuronBase>(item.value())) {
       neuron->clear_spike_count();
-      neuron->count_spikes(true);
+      neuron->count_spikes(true, this);
       neurons_.emplace_back(item.key().empty() ? "(model)" : item.key(), std::move(neuron));
     }
   }
 }
 
 MPIPE_FUNC FiringRateMonitor::~FiringRateMonitor() {
-  for (auto& n : neurons_) n.second->count_spikes(false);
+  for (auto& n : neurons_) n.second->count_spikes(false, this);  // unless a newer monitor counts
 }
 
 MPIPE_FUNC std::vector<LayerRate> FiringRateMonitor::rates() const {

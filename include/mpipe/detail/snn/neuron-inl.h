@@ -6,6 +6,7 @@
 
 #include "mpipe/checkpoint.h"
 
+#include "mpipe/detail/cuda/device_probe.h"
 #include "mpipe/detail/snn/fused_neuron.h"
 
 #include <ATen/Functions.h>
@@ -64,7 +65,7 @@ MPIPE_FUNC at::Tensor NeuronBase::single_step(const at::Tensor& x_in) {
 }
 
 MPIPE_FUNC void NeuronBase::count(const at::Tensor& spikes) {
-  if (!counting_ || is_recomputing()) return;
+  if (!counting_ || is_recomputing() || detail::capturing_graph(spikes.device())) return;
   const at::Tensor n = spikes.detach().sum(at::kDouble);
   spikes_ = spikes_.defined() ? spikes_ + n : n;
   elements_ += spikes.numel();
