@@ -51,7 +51,8 @@ struct ModelPipelineOptions {
   /// Replay repeated inference calls from CUDA graphs, with no flag to set: a
   /// single-tensor forward (or constant_forward, sequence_forward) under
   /// NoGradGuard or InferenceMode, whose stages and input share one CUDA
-  /// device and hold no stateful module, is captured
+  /// device and hold no stateful module (nor a module with buffers in training
+  /// mode, such as BatchNorm updating its statistics), is captured
   /// the third time the same call (split, input shape and dtype, module mode,
   /// autocast state) comes, unless its earlier runs drew random numbers, and
   /// replayed after that, with the same results. A capture that fails falls
