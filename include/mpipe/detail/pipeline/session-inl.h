@@ -228,8 +228,8 @@ MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
 
 MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) const {
   if (!self.options.auto_cuda_graphs() || self.options.cuda_graphs() || distributed() ||
-      self.options.track_memory()) {
-    return false;  // a replay allocates nothing: the report would show another call
+      self.options.track_memory() || !could_graph(x)) {
+    return false;  // (a replay allocates nothing: a memory report would show another call)
   }
   for (const auto& stage : stateful) {
     if (!stage.empty()) return false;  // a graph would reset the state a call carries
@@ -239,7 +239,7 @@ MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) co
   for (const auto& m : self.modules(/*include_self=*/false)) {
     if (m->is_training() && !m->buffers(/*recurse=*/false).empty()) return false;
   }
-  return could_graph(x);
+  return true;
 }
 
 MPIPE_FUNC std::string ModelPipelineImpl::State::graph_key(const GraphKey& key) const {
