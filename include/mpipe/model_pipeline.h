@@ -167,13 +167,25 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// takes k consecutive steps at once, x repeated as [k, N, ...], and returns
   /// [k, N, ...]; chunks are pipelined as steps are (Note [Time chunks]). The
   /// result has the same shape and values for every k.
+  ///
+  /// Micro-batches (`split`, as forward's: rows per micro-batch or
+  /// mpipe::chunks(n); default ModelPipelineOptions::time_micro_batches):
+  /// the batch is also cut along dim 0, and the items streamed are (micro-
+  /// batch, time chunk) pairs, each micro-batch with its own neuron state
+  /// (Note [Per-micro-batch state]), so the stages overlap even with one
+  /// chunk of all T steps. The result equals a plain loop that runs each
+  /// micro-batch for T steps, joined along the batch dimension; it differs
+  /// from the whole batch's only where a layer's result depends on the rows it
+  /// sees (batch statistics). See Note [Micro-batches over time].
   at::Tensor constant_forward(const at::Tensor& x, int64_t T, bool reduce = true,
-                              std::optional<int64_t> time_chunk = std::nullopt);
+                              std::optional<int64_t> time_chunk = std::nullopt,
+                              std::optional<Split> split = std::nullopt);
   /// constant_forward for stages with several tensors: every time step gets
   /// all `inputs` (multi-step: batched inputs repeated as [k, ...], unbatched
   /// ones whole); each output is summed (reduce) or concatenated time-major.
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce = true,
-                           std::optional<int64_t> time_chunk = std::nullopt);
+                           std::optional<int64_t> time_chunk = std::nullopt,
+                           std::optional<Split> split = std::nullopt);
 
   /// Runs the model on a sequence `x_seq` of shape [T, N, ...] (e.g.
   /// Poisson-encoded frames), step t on x_seq[t], with time steps pipelined
@@ -182,13 +194,17 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// gradients, to a plain loop over t. Multi-step stages get the sequence in
   /// chunks x_seq[t : t + k], as in constant_forward. State carries from call
   /// to call as in constant_forward (ModelPipelineOptions::reset_state_each_call).
+  /// `split` cuts the batch (dim 1 of x_seq) into micro-batches, as in
+  /// constant_forward.
   at::Tensor sequence_forward(const at::Tensor& x_seq, bool reduce = false,
-                              std::optional<int64_t> time_chunk = std::nullopt);
+                              std::optional<int64_t> time_chunk = std::nullopt,
+                              std::optional<Split> split = std::nullopt);
   /// sequence_forward for stages with several tensors: batched inputs are
   /// [T, N, ...] and step t gets their row t; unbatched inputs go whole to
   /// every step. Each output is stacked [T, ...] or summed (reduce).
   Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce = false,
-                           std::optional<int64_t> time_chunk = std::nullopt);
+                           std::optional<int64_t> time_chunk = std::nullopt,
+                           std::optional<Split> split = std::nullopt);
 
   /// One training step. Splits `input` and `target` along dim 0 into
   /// micro-batches as step.split() says (rows per micro-batch, or
@@ -224,13 +240,17 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// the forward and backward are replayed from one CUDA graph (Note [Graphed
   /// training steps]), loss_fn included: see train_step.
   /// Multi-step stages take the T steps in chunks, as in constant_forward.
+  /// With micro-batches (`split`, as in constant_forward) `out` is every
+  /// micro-batch's sum joined along dim 0, and loss_fn runs once, on it.
   at::Tensor constant_train_step(const at::Tensor& x, int64_t T, const at::Tensor& target,
                                  const LossFunction& loss_fn,
-                                 std::optional<int64_t> time_chunk = std::nullopt);
+                                 std::optional<int64_t> time_chunk = std::nullopt,
+                                 std::optional<Split> split = std::nullopt);
   /// constant_train_step for stages with several tensors (the last returns one).
   at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
                                  const at::Tensor& target, const LossFunction& loss_fn,
-                                 std::optional<int64_t> time_chunk = std::nullopt);
+                                 std::optional<int64_t> time_chunk = std::nullopt,
+                                 std::optional<Split> split = std::nullopt);
 
   /// Number of stages.
   size_t size() const noexcept;

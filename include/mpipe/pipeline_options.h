@@ -103,6 +103,13 @@ struct ModelPipelineOptions {
   /// stage is on one device, where that measured fastest (bench/RESULTS.md);
   /// with D devices (or ranks) about 4 chunks per device, k = ceil(T / 4D).
   TORCH_ARG(int64_t, time_chunk) = 0;
+  /// Micro-batches of constant_forward, sequence_forward and
+  /// constant_train_step (a call's own `split` overrides it): n cuts the
+  /// batch into n micro-batches (mpipe::chunks(n)'s rule), each with its own
+  /// neuron state, and the items streamed are (micro-batch, time chunk)
+  /// pairs. 0 (the default) chooses: TODO.
+  /// See Note [Micro-batches over time].
+  TORCH_ARG(int64_t, time_micro_batches) = 0;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();
   /// calls then run eagerly, never from a CUDA graph. See Note [Timeline].

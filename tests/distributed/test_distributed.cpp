@@ -360,6 +360,70 @@ TEST(Distributed, TimeChunksEqualThePlainMultiStepModel) {
   }
 }
 
+// Note [Micro-batches over time]: (micro-batch, time chunk) items across
+// ranks, against a plain multi-step loop per micro-batch, joined.
+TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size(), T = 6, N = 5;
+  const Stages reference = make_multi_step_model(n, 9);
+  const Stages mine = make_multi_step_model(n, 9);
+  const auto range = group().stage_range(n);
+  auto per_micro_batch = [&](const at::Tensor& seq, int64_t rows, bool reduce) {
+    for (auto stage : reference) mpipe::reset_states(*stage);
+    const int64_t M = (N + rows - 1) / rows;
+    std::vector<at::Tensor> parts;
+    for (int64_t m = 0; m < M; ++m) {
+      mpipe::MicroBatchGuard guard({m, M});
+      at::Tensor steps = plain(reference, seq.narrow(1, m * rows, std::min(rows, N - m * rows)));
+      if (reduce) {
+        at::Tensor sum = steps[0];
+        for (int64_t t = 1; t < T; ++t) sum = sum + steps[t];
+        steps = sum;
+      }
+      parts.push_back(steps);
+    }
+    for (auto stage : reference) mpipe::reset_states(*stage);
+    return at::cat(parts, reduce ? 0 : 1);
+  };
+  const at::Tensor x = input(N) * 3;
+  const at::Tensor seq = torch::rand({T, N, 6}, torch::kDouble) * 3;
+  for (bool threads : {true, false}) {
+    const std::string what = threads ? ", threads" : ", inline";
+    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
+                                  .process_group(group())
+                                  .worker_threads(threads)
+                                  .step_mode(mpipe::snn::StepMode::Multi));
+    for (int64_t s = range.first; s < range.second; ++s) {
+      pipe->append(mine[static_cast<size_t>(s)], "cpu");
+    }
+    {
+      torch::NoGradGuard no_grad;
+      const at::Tensor want = per_micro_batch(x.unsqueeze(0).expand({T, N, 6}), 3, true);
+      if (group().is_last()) ASSERT_GT(want.sum().item<double>(), 0.0) << "the test should spike";
+      const at::Tensor got = pipe->constant_forward(group().is_first() ? x : at::Tensor(), T, true,
+                                                    4, mpipe::chunks(2));
+      mpipe::reset_states(*pipe);
+      if (group().is_last()) expect_close(got, want, "constant_forward, chunks(2) x 4 steps" + what);
+      const at::Tensor got_seq = pipe->sequence_forward(group().is_first() ? seq : at::Tensor(),
+                                                        false, 2, mpipe::Split(2));
+      mpipe::reset_states(*pipe);
+      if (group().is_last()) {
+        expect_close(got_seq, per_micro_batch(seq, 2, false), "sequence_forward, 2 rows x 2 steps" + what);
+      }
+    }
+    const at::Tensor y = torch::full({N, 6}, 0.5, torch::kDouble);
+    for (auto stage : reference) {
+      for (auto& p : stage->parameters()) p.mutable_grad() = at::Tensor();
+    }
+    const at::Tensor want = mse(per_micro_batch(x.unsqueeze(0).expand({T, N, 6}), 2, true), y);
+    want.backward();
+    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+    const at::Tensor loss = pipe->constant_train_step(x, T, y, mse, 4, mpipe::Split(2));
+    if (group().is_last()) expect_close(loss, want.detach(), "constant_train_step loss" + what);
+    expect_same_grads(pipe, reference, "constant_train_step, 2 rows x 4 steps" + what);
+  }
+}
+
 TEST(Distributed, InputGradientsReachTheFirstRank) {
   if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
   const auto stages = make_model(group().pipeline_size());

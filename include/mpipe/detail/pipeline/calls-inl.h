@@ -33,6 +33,13 @@ MPIPE_FUNC Tensors for_caller(Tensors out) {
   for (const auto& t : out) detail::record_on_current(t);
   return out;
 }
+
+
+/// What a time-step call's items are called in messages (the item's
+/// micro-batch and steps follow its number: TimeChunks::steps_of).
+MPIPE_FUNC const char* item_name(const TimeChunks& chunks) {
+  return chunks.split() ? "item" : chunks.multi() ? "time chunk" : "time step";
+}
 }  // namespace detail
 
 // forward ------------------------------------------------------------------
@@ -116,6 +123,30 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
 // 0 the pipeline picks k (resolve_chunk): T on one device, where one chunk
 // measured fastest (bench/RESULTS.md, runs H and I).
 
+// Note [Micro-batches over time]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Time chunks alone leave devices idle when there are few of them: with one
+// chunk of all T steps there is one item and D - 1 devices wait, and small
+// chunks pay the per-call cost more often. So the time-step calls also take
+// a micro-batch split (`split`, ModelPipelineOptions::time_micro_batches):
+// the batch is cut as forward cuts it (dim 0; dim 1 of a sequence), and the
+// items are (micro-batch m, chunk c) pairs, numbered micro-batch after
+// micro-batch, i = m * C + c (TimeChunks). Each stage call runs under
+// MicroBatchGuard{m, M}, so every micro-batch has its own neuron state (Note
+// [Per-micro-batch state]); the last stage's outputs are kept per
+// micro-batch (summed step by step, or per step) and joined along the batch
+// dimension at the end. constant_train_step takes the loss once, of the
+// joined sums, and its chained backward (Note [Chained backward]) runs
+// unchanged: B(i) runs item i's nodes, and a gradient bound for another
+// micro-batch's nodes is carried from item to item until it reaches them.
+// Why this order and not chunk after chunk (i = c * M + m): a stage runs its
+// items one after another whichever order they come in, so both fill the
+// pipeline alike (n = M * C items, D - 1 of n + D - 1 slots idle), but
+// this one makes each stage's operations, and so the order in which weight
+// gradients are summed, those of the plain loop "for each micro-batch, for
+// each step", which the results therefore equal bit for bit
+// (tests/test_time_micro_batches.cpp).
+
 MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_t T) const {
   if (chunk != detail::kAutoChunk) return chunk;
   // Measured on one GPU: one chunk of all T steps is fastest, since stages
@@ -136,26 +167,44 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_
   return std::max<int64_t>(1, (T + 4 * n_devices - 1) / (4 * n_devices));
 }
 
+MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_rows(const char* method,
+                                                         const std::optional<Split>& split,
+                                                         int64_t batch, int64_t T,
+                                                         int64_t chunk) const {
+  if (!split) return 0;  // automatic: one micro-batch (for now)
+  TORCH_CHECK(batch > 0 || split->value() == 1, "mpipe::ModelPipeline::", method,
+              ": a micro-batch split (", split->name(), " ", split->value(),
+              ") needs a batched input with rows to split; no input is batched");
+  if (batch <= 0) return 0;
+  (void)T;
+  (void)chunk;
+  return split->rows(method, batch);
+}
+
 MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
-    const char* method, const std::vector<Input>& inputs, int64_t T, int64_t chunk) const {
-  detail::batch_size(method, inputs, 0);
+    const char* method, const std::vector<Input>& inputs, int64_t T, int64_t chunk,
+    const std::optional<Split>& split) const {
+  const int64_t batch = detail::batch_size(method, inputs, 0);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::", method,
               ": T (the number of time steps) must be positive, got ", T);
   detail::CallInfo c;
   c.n_items = T;
   c.chunk = resolve_chunk(chunk, T);
+  c.batch = batch;
+  c.rows = resolve_rows(method, split, batch, T, c.chunk);
   return c;
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<Input>& inputs,
                                                               int64_t T, bool reduce, int64_t chunk,
+                                                              const std::optional<Split>& split,
                                                               bool graphable_call) {
   CallKind kind;
   kind.method = "constant_forward";
   kind.graphable = graphable_call;
   kind.reset_first = self.options.reset_state_each_call();
   kind.describe = [&] {
-    detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk);
+    detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk, split);
     c.reduce = reduce;
     return c;
   };
@@ -170,11 +219,12 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
     const char* method, const detail::CallInfo& info, const std::vector<Input>& inputs,
     detail::RemoteCall* remote, const LossFunction& loss_fn, const at::Tensor& target) {
   const int64_t n_stages = executor.n_total();
-  const detail::TimeChunks chunks{info.n_items, info.chunk};  // Note [Time chunks]
+  // Note [Time chunks], Note [Micro-batches over time]
+  const detail::TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
   Plan plan;
   CallSpec& spec = plan.spec;
   spec.method = method;
-  spec.item_name = chunks.multi() ? "time chunk" : "time step";
+  spec.item_name = detail::item_name(chunks);
   spec.n_items = chunks.count();
   spec.time_chunks = chunks;
   spec.remote = remote;
@@ -182,7 +232,12 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
                           : schedules::forward_only(spec.n_items, n_stages);
   auto in = std::make_shared<const std::vector<Input>>(inputs);
   const Tensors tensors = detail::tensors_of(inputs);
-  if (chunks.multi()) {
+  if (chunks.split()) {
+    spec.source = [in, chunks](int64_t i) {
+      return chunks.multi() ? detail::repeated_chunk(*in, chunks, i)
+                            : detail::constant_step(*in, chunks, i);
+    };
+  } else if (chunks.multi()) {
     // Every chunk is the same view unless the last is shorter.
     spec.same_input = info.n_items % info.chunk == 0 || spec.n_items == 1;
     spec.source = [in, chunks](int64_t i) { return detail::repeated_chunk(*in, chunks, i); };
@@ -191,8 +246,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
     spec.source = [tensors](int64_t) { return tensors; };
   }
   spec.caller_tensors = tensors;
-  auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0 || loss_fn,
-                                                        chunks);
+  auto outs = std::make_shared<detail::TimeStepOutputs>(info.reduce != 0 || loss_fn, chunks);
   spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
   if (!loss_fn) {
     plan.results = [outs, remote, method, n_stages](const CallSpec&) -> Tensors {
@@ -235,6 +289,7 @@ MPIPE_FUNC int64_t sequence_length(const std::vector<Input>& inputs) {
 
 MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<Input>& inputs,
                                                               bool reduce, int64_t chunk,
+                                                              const std::optional<Split>& split,
                                                               bool graphable_call) {
   CallKind kind;
   kind.method = "sequence_forward";
@@ -245,6 +300,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
     c.n_items = detail::sequence_length(inputs);
     c.reduce = reduce;
     c.chunk = resolve_chunk(chunk, c.n_items);
+    c.batch = detail::batch_size("sequence_forward", inputs, 1);
+    c.rows = resolve_rows("sequence_forward", split, c.batch, c.n_items, c.chunk);
     return c;
   };
   kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,
@@ -256,21 +313,23 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_sequenc
     const detail::CallInfo& info, const std::vector<Input>& inputs,
     detail::RemoteCall* remote) {
   const int64_t n_stages = executor.n_total();
-  const detail::TimeChunks chunks{info.n_items, info.chunk};  // Note [Time chunks]
+  // Note [Time chunks], Note [Micro-batches over time]
+  const detail::TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
   Plan plan;
   CallSpec& spec = plan.spec;
   spec.method = "sequence_forward";
-  spec.item_name = chunks.multi() ? "time chunk" : "time step";
+  spec.item_name = detail::item_name(chunks);
   spec.n_items = chunks.count();
   spec.time_chunks = chunks;
   spec.remote = remote;
   spec.programs = schedules::forward_only(spec.n_items, n_stages);
   auto in = std::make_shared<const std::vector<Input>>(inputs);
   spec.source = [in, chunks](int64_t i) {
-    return chunks.multi() ? detail::sequence_chunk(*in, chunks, i) : detail::time_step(*in, i);
+    return chunks.multi() ? detail::sequence_chunk(*in, chunks, i)
+                          : detail::time_step(*in, chunks, i);
   };
   spec.caller_tensors = detail::tensors_of(inputs);
-  auto outs = std::make_shared<detail::TimeStepOutputs>(info.n_items, info.reduce != 0, chunks);
+  auto outs = std::make_shared<detail::TimeStepOutputs>(info.reduce != 0, chunks);
   spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
   plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
     if (remote && !remote->last()) return {};

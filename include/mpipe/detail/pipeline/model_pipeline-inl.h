@@ -135,6 +135,21 @@ MPIPE_FUNC int64_t chunk_of(const ModelPipelineImpl& p, const char* method,
   return p.options.time_chunk() == 0 ? detail::kAutoChunk : p.options.time_chunk();
 }
 
+/// A time-step call's micro-batch split: the call's, else the options'
+/// count, else empty for the pipeline's choice (Note [Micro-batches over time]).
+MPIPE_FUNC std::optional<Split> split_of(const ModelPipelineImpl& p, const char* method,
+                                         std::optional<Split> arg) {
+  if (arg) {
+    arg->rows(method, 1);  // refuses a value below 1, naming it
+    return arg;
+  }
+  TORCH_CHECK(p.options.time_micro_batches() >= 0, "mpipe::ModelPipeline::", method,
+              ": ModelPipelineOptions::time_micro_batches must be >= 1, or 0 for the "
+              "pipeline's choice, got ", p.options.time_micro_batches());
+  if (p.options.time_micro_batches() == 0) return std::nullopt;
+  return Split::chunks(p.options.time_micro_batches());
+}
+
 }  // namespace detail
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, Split split) {
@@ -151,35 +166,43 @@ MPIPE_FUNC Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs,
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, int64_t T,
                                                           bool reduce,
-                                                          std::optional<int64_t> time_chunk) {
+                                                          std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "constant_forward", x);
   const int64_t chunk = detail::chunk_of(*this, "constant_forward", time_chunk);
+  const auto micro_batches = detail::split_of(*this, "constant_forward", split);
   return detail::one_output("constant_forward",
-                                   state_->constant_forward({x}, T, reduce, chunk, true));
+                                   state_->constant_forward({x}, T, reduce, chunk, micro_batches, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>& inputs, int64_t T,
                                                        bool reduce,
-                                                       std::optional<int64_t> time_chunk) {
+                                                       std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "constant_forward");
   const int64_t chunk = detail::chunk_of(*this, "constant_forward", time_chunk);
-  return state_->constant_forward(inputs, T, reduce, chunk, false);
+  const auto micro_batches = detail::split_of(*this, "constant_forward", split);
+  return state_->constant_forward(inputs, T, reduce, chunk, micro_batches, false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce,
-                                                          std::optional<int64_t> time_chunk) {
+                                                          std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "sequence_forward", x_seq, /*time_major=*/true);
   const int64_t chunk = detail::chunk_of(*this, "sequence_forward", time_chunk);
+  const auto micro_batches = detail::split_of(*this, "sequence_forward", split);
   return detail::one_output("sequence_forward",
-                                   state_->sequence_forward({x_seq}, reduce, chunk, true));
+                                   state_->sequence_forward({x_seq}, reduce, chunk, micro_batches, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs,
                                                        bool reduce,
-                                                       std::optional<int64_t> time_chunk) {
+                                                       std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "sequence_forward");
   const int64_t chunk = detail::chunk_of(*this, "sequence_forward", time_chunk);
-  return state_->sequence_forward(inputs, reduce, chunk, false);
+  const auto micro_batches = detail::split_of(*this, "sequence_forward", split);
+  return state_->sequence_forward(inputs, reduce, chunk, micro_batches, false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input,
@@ -201,19 +224,23 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& in
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T,
                                                              const at::Tensor& target,
                                                              const LossFunction& loss_fn,
-                                                             std::optional<int64_t> time_chunk) {
+                                                             std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "constant_train_step", x);
   const int64_t chunk = detail::chunk_of(*this, "constant_train_step", time_chunk);
-  return state_->constant_train_step({x}, T, target, loss_fn, chunk, true);
+  const auto micro_batches = detail::split_of(*this, "constant_train_step", split);
+  return state_->constant_train_step({x}, T, target, loss_fn, chunk, micro_batches, true);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<Input>& inputs,
                                                              int64_t T, const at::Tensor& target,
                                                              const LossFunction& loss_fn,
-                                                             std::optional<int64_t> time_chunk) {
+                                                             std::optional<int64_t> time_chunk,
+    std::optional<Split> split) {
   detail::check_runnable(*this, "constant_train_step");
   const int64_t chunk = detail::chunk_of(*this, "constant_train_step", time_chunk);
-  return state_->constant_train_step(inputs, T, target, loss_fn, chunk, false);
+  const auto micro_batches = detail::split_of(*this, "constant_train_step", split);
+  return state_->constant_train_step(inputs, T, target, loss_fn, chunk, micro_batches, false);
 }
 
 MPIPE_FUNC void ModelPipelineImpl::clear_cuda_graphs() {

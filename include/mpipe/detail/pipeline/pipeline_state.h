@@ -26,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -141,15 +142,16 @@ struct ModelPipelineImpl::State {
   // The call kinds: calls-inl.h, train_steps-inl.h ---------------------------
   Tensors forward(const std::vector<Input>& inputs, Split split, bool graphable_call);
   Tensors constant_forward(const std::vector<Input>& inputs, int64_t T, bool reduce,
-                           int64_t chunk, bool graphable_call);
+                           int64_t chunk, const std::optional<Split>& split, bool graphable_call);
   Tensors sequence_forward(const std::vector<Input>& inputs, bool reduce, int64_t chunk,
-                           bool graphable_call);
+                           const std::optional<Split>& split, bool graphable_call);
   at::Tensor train_step(const std::vector<Input>& inputs, const at::Tensor& target,
                         const LossFunction& loss_fn, const TrainStepOptions& step,
                         bool graphable_call);
   at::Tensor constant_train_step(const std::vector<Input>& inputs, int64_t T,
                                  const at::Tensor& target, const LossFunction& loss_fn,
-                                 int64_t chunk, bool graphable_call);
+                                 int64_t chunk, const std::optional<Split>& split,
+                                 bool graphable_call);
   /// Their plans (pure: they build, nothing runs).
   Plan plan_forward(const detail::CallInfo& info, const std::vector<Input>& inputs,
                     detail::RemoteCall* remote);
@@ -166,9 +168,15 @@ struct ModelPipelineImpl::State {
   /// `chunk`: steps per stage call with multi-step stages, 0 for single
   /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
   int64_t resolve_chunk(int64_t chunk, int64_t T) const;
+  /// Rows per micro-batch of a time-step call over a batch of `batch` rows
+  /// (0: one micro-batch); `split` empty: the pipeline's choice (Note
+  /// [Micro-batches over time]).
+  int64_t resolve_rows(const char* method, const std::optional<Split>& split, int64_t batch,
+                       int64_t T, int64_t chunk) const;
   /// The description of a call over T time steps of `inputs` (checked).
   detail::CallInfo constant_call_info(const char* method, const std::vector<Input>& inputs,
-                                      int64_t T, int64_t chunk) const;
+                                      int64_t T, int64_t chunk,
+                                      const std::optional<Split>& split) const;
   void check_checkpointable(const char* method) const;
 
   // Across processes (Note [Cross-process calls]) ---------------------------

@@ -64,7 +64,8 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
                            const at::Tensor& target, bool training) {
   GraphKey key;
   key.method = method;
-  key.items = info.rows > 0 ? info.rows : info.n_items;
+  key.items = info.n_items;
+  key.rows = info.rows;
   key.reduce = info.reduce != 0;
   key.chunk = info.chunk;
   if (std::string(method) == "train_step") {

@@ -236,13 +236,16 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_train_s
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     const std::vector<Input>& inputs, int64_t T, const at::Tensor& target,
-    const LossFunction& loss_fn, int64_t chunk, bool graphable_call) {
+    const LossFunction& loss_fn, int64_t chunk, const std::optional<Split>& split,
+    bool graphable_call) {
   CallKind kind;
   kind.method = "constant_train_step";
   kind.step = true;
   kind.fresh_state = true;
   kind.graphable = graphable_call;  // x keeps its autograd identity: with gradients, never graphed
-  kind.describe = [&] { return constant_call_info("constant_train_step", inputs, T, chunk); };
+  kind.describe = [&] {
+    return constant_call_info("constant_train_step", inputs, T, chunk, split);
+  };
   kind.check = [&](const detail::CallInfo&, detail::RemoteCall* remote) {
     detail::check_grad_mode("constant_train_step");
     if (!remote || remote->last()) {

@@ -83,7 +83,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   }
 
   c10::OptionalStreamGuard stream_guard(compute);
-  MicroBatchGuard micro_batch(call.micro_batched ? MicroBatch{i, call.n_items} : MicroBatch{});
+  MicroBatchGuard micro_batch(call.micro_batch_of(i));
   // Ends before the hand-off, so the next stage's task starts after it.
   c10::optional<TaskSpan> span;
   span.emplace(call.recorder, j, i, TaskKind::Forward, stage.device, compute);
@@ -173,8 +173,9 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     if (call.chained) {
       call.sink(i, std::move(out));
       if (i + 1 == call.n_items) {
-        phase = call.time_chunks.multi() ? "the loss, after time chunk"
-                                         : "the loss, after time step";
+        phase = call.time_chunks.split()   ? "the loss, after item"
+                : call.time_chunks.multi() ? "the loss, after time chunk"
+                                           : "the loss, after time step";
         at::Tensor loss = call.chain_loss();
         call.losses[static_cast<size_t>(i)] = loss.detach();
         sv->outputs = {loss};
@@ -214,7 +215,7 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
-  MicroBatchGuard micro_batch(call.micro_batched ? MicroBatch{i, call.n_items} : MicroBatch{});
+  MicroBatchGuard micro_batch(call.micro_batch_of(i));
   Tensors roots = sv.outputs;
   std::map<std::string, at::Tensor> stashed = sv.stashed;
   if (sv.checkpointed) {

@@ -125,10 +125,12 @@ MPIPE_FUNC bool Executor::run_action(Run& run, const schedules::Op& op) {
                     : op.kind == OpKind::BackwardWeight ? "mpipe::weight_gradient"
                                                         : "mpipe::backward");
   const int64_t j = op.stage, i = op.micro_batch;
-  const bool chunks = run.call->time_chunks.multi();
+  const TimeChunks& chunks = run.call->time_chunks;
   const char* phase = !run.call->training || (run.call->chained && op.kind == OpKind::Forward)
                           ? run.call->item_name
-                      : run.call->chained ? (chunks ? "backward of time chunk" : "backward of time step")
+                      : run.call->chained ? (chunks.split()   ? "backward of item"
+                                             : chunks.multi() ? "backward of time chunk"
+                                                              : "backward of time step")
                       : op.kind == OpKind::Forward        ? "forward of micro-batch"
                       : op.kind == OpKind::BackwardWeight ? "weight gradient of micro-batch"
                       : op.kind == OpKind::BackwardInput  ? "input gradient of micro-batch"

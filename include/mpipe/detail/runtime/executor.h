@@ -5,6 +5,7 @@
 
 #include "mpipe/checkpoint.h"
 #include "mpipe/schedule.h"
+#include "mpipe/state.h"
 #include "mpipe/tensors.h"
 
 #include "mpipe/detail/runtime/recompute.h"
@@ -70,6 +71,14 @@ struct CallSpec {
   std::vector<schedules::Program> programs;
   /// Micro-batches of one batch: stage calls run under MicroBatchGuard{i, n}.
   bool micro_batched = false;
+  /// The micro-batch a stage call of item i serves: item i of a micro-batched
+  /// call, its micro-batch's in a time-step call (Note [Micro-batches over
+  /// time]), else micro-batch 0 of 1.
+  MicroBatch micro_batch_of(int64_t i) const {
+    if (micro_batched) return {i, n_items};
+    if (!time_chunks.split()) return {};
+    return {time_chunks.micro_batch(i), time_chunks.micro_batches()};
+  }
   /// Stage 0's inputs for item i, on the caller's devices. `same_input`: the
   /// same tensors for every item, so stage 0 receives them once.
   std::function<Tensors(int64_t)> source;

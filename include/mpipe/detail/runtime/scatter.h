@@ -73,15 +73,39 @@ inline Tensors micro_batch(const std::vector<Input>& inputs, int64_t i, int64_t 
   return out;
 }
 
-/// Step t of the batched inputs ([T, N, ...]); unbatched whole.
-inline Tensors time_step(const std::vector<Input>& inputs, int64_t t) {
+/// Batched tensor `t`'s rows of micro-batch m (Note [Micro-batches over
+/// time]), along `dim`: all of them when the call has one micro-batch.
+inline at::Tensor micro_batch_rows(const at::Tensor& t, const TimeChunks& chunks, int64_t m,
+                                   int64_t dim) {
+  return chunks.split() ? t.narrow(dim, chunks.first_row(m), chunks.rows_of(m)) : t;
+}
+
+/// constant_forward's single-step item i: its micro-batch's rows of the
+/// batched inputs; unbatched inputs whole.
+inline Tensors constant_step(const std::vector<Input>& inputs, const TimeChunks& chunks,
+                             int64_t i) {
   Tensors out;
-  for (const auto& in : inputs) out.push_back(in.batched ? in.tensor.select(0, t) : in.tensor);
+  for (const auto& in : inputs) {
+    out.push_back(in.batched ? micro_batch_rows(in.tensor, chunks, chunks.micro_batch(i), 0)
+                             : in.tensor);
+  }
   return out;
 }
 
-/// Chunk i of constant_forward's inputs: each batched input repeated as
-/// [k_i, N, ...] (a broadcast view); unbatched inputs whole.
+/// sequence_forward's single-step item i: step t of the batched inputs ([T,
+/// N, ...]), its micro-batch's rows; unbatched whole.
+inline Tensors time_step(const std::vector<Input>& inputs, const TimeChunks& chunks, int64_t i) {
+  Tensors out;
+  for (const auto& in : inputs) {
+    out.push_back(in.batched ? micro_batch_rows(in.tensor.select(0, chunks.first(i)), chunks,
+                                                chunks.micro_batch(i), 0)
+                             : in.tensor);
+  }
+  return out;
+}
+
+/// Chunk i of constant_forward's inputs: each batched input (its micro-batch's
+/// rows) repeated as [k_i, N, ...] (a broadcast view); unbatched inputs whole.
 inline Tensors repeated_chunk(const std::vector<Input>& inputs, const TimeChunks& chunks,
                               int64_t i) {
   Tensors out;
@@ -90,20 +114,23 @@ inline Tensors repeated_chunk(const std::vector<Input>& inputs, const TimeChunks
       out.push_back(in.tensor);
       continue;
     }
+    const at::Tensor t = micro_batch_rows(in.tensor, chunks, chunks.micro_batch(i), 0);
     std::vector<int64_t> shape{chunks.size(i)};
-    shape.insert(shape.end(), in.tensor.sizes().begin(), in.tensor.sizes().end());
-    out.push_back(in.tensor.unsqueeze(0).expand(shape));
+    shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+    out.push_back(t.unsqueeze(0).expand(shape));
   }
   return out;
 }
 
-/// Chunk i of sequence_forward's batched inputs ([T, N, ...] -> [k_i, N,
+/// Chunk i of sequence_forward's batched inputs ([T, N, ...] -> [k_i, N_m,
 /// ...]); unbatched whole.
 inline Tensors sequence_chunk(const std::vector<Input>& inputs, const TimeChunks& chunks,
                               int64_t i) {
   Tensors out;
   for (const auto& in : inputs) {
-    out.push_back(in.batched ? in.tensor.narrow(0, chunks.first(i), chunks.size(i)) : in.tensor);
+    out.push_back(in.batched ? micro_batch_rows(in.tensor.narrow(0, chunks.first(i), chunks.size(i)),
+                                                chunks, chunks.micro_batch(i), 1)
+                             : in.tensor);
   }
   return out;
 }
@@ -120,13 +147,14 @@ at::Tensor step_sum(const at::Tensor& acc, const at::Tensor& chunk);
 
 /// The last stage's outputs of T time steps, as they arrive in step order:
 /// summed output by output (reduce), or kept per step (per chunk for time
-/// chunks) for results().
+/// chunks) for results(); one such record per micro-batch.
 class TimeStepOutputs {
  public:
-  TimeStepOutputs(int64_t T, bool reduce, TimeChunks chunks = {})
+  TimeStepOutputs(bool reduce, TimeChunks chunks)
       : reduce_(reduce),
         chunks_(chunks),
-        steps_(reduce ? 1 : static_cast<size_t>(chunks.multi() ? chunks.count() : T)) {}
+        parts_(static_cast<size_t>(chunks.micro_batches()),
+               std::vector<Tensors>(reduce ? 1 : static_cast<size_t>(chunks.per_micro_batch()))) {}
   /// Item i's outputs: a chunk's (add_chunk) with multi-step chunks, else
   /// one step's (add).
   void add_item(int64_t i, Tensors out) {
@@ -151,40 +179,46 @@ class TimeStepOutputs {
                   "; a multi-step stage returns [k, N, ...] with k = ", k,
                   " steps along dim 0");
     }
+    std::vector<Tensors>& mine = parts_[static_cast<size_t>(chunks_.micro_batch(i))];
+    const int64_t c = chunks_.chunk(i);
     if (!reduce_) {
-      steps_[static_cast<size_t>(i)] = std::move(out);
+      mine[static_cast<size_t>(c)] = std::move(out);
       return;
     }
-    if (i > 0) {
-      TORCH_CHECK(out.size() == steps_[0].size(), "the stage returned ", out.size(),
-                  " tensors, but ", steps_[0].size(), " at time chunk 0");
+    if (c > 0) {
+      TORCH_CHECK(out.size() == mine[0].size(), "the stage returned ", out.size(),
+                  " tensors, but ", mine[0].size(), " at its first time chunk");
     } else {
-      steps_[0].resize(out.size());
+      mine[0].resize(out.size());
     }
-    for (size_t o = 0; o < out.size(); ++o) steps_[0][o] = step_sum(steps_[0][o], out[o]);
+    for (size_t o = 0; o < out.size(); ++o) mine[0][o] = step_sum(mine[0][o], out[o]);
   }
-  void add(int64_t t, Tensors out) {
+  void add(int64_t i, Tensors out) {
+    std::vector<Tensors>& mine = parts_[static_cast<size_t>(chunks_.micro_batch(i))];
+    const int64_t t = chunks_.chunk(i);
     if (!reduce_) {
-      steps_[static_cast<size_t>(t)] = std::move(out);
+      mine[static_cast<size_t>(t)] = std::move(out);
     } else if (t == 0) {
-      steps_[0] = std::move(out);
+      mine[0] = std::move(out);
     } else {
-      TORCH_CHECK(out.size() == steps_[0].size(), "the stage returned ", out.size(),
-                  " tensors, but ", steps_[0].size(), " at time step 0");
-      for (size_t k = 0; k < out.size(); ++k) steps_[0][k] = steps_[0][k] + out[k];
+      TORCH_CHECK(out.size() == mine[0].size(), "the stage returned ", out.size(),
+                  " tensors, but ", mine[0].size(), " at time step 0");
+      for (size_t k = 0; k < out.size(); ++k) mine[0][k] = mine[0][k] + out[k];
     }
   }
   bool reduced() const { return reduce_; }
-  /// The sums (reduce), or per step (per chunk) outputs.
-  const std::vector<Tensors>& steps() const { return steps_; }
   /// The call's outputs: the sums, or the steps stacked [T, N, ...] (`stack`)
-  /// or concatenated time-major [T*N, ...].
+  /// or concatenated time-major [T*N, ...]; micro-batches joined along the
+  /// batch dimension.
   Tensors results(const char* method, int64_t last_stage, bool stack) const;
 
  private:
+  /// Micro-batch m's outputs, as results() gives a call's.
+  Tensors results_of(size_t m, const char* method, int64_t last_stage, bool stack) const;
+
   bool reduce_;
   TimeChunks chunks_;
-  std::vector<Tensors> steps_;  // one entry (the sums) when reducing
+  std::vector<std::vector<Tensors>> parts_;  // per micro-batch: one entry (the sums) when reducing
 };
 
 /// The outputs of every item as one Tensors: output k of each item
@@ -216,17 +250,48 @@ inline Tensors gather(const char* method, const char* item_name, int64_t last_st
   return out;
 }
 
-inline Tensors TimeStepOutputs::results(const char* method, int64_t last_stage, bool stack) const {
-  if (reduce_) return steps_[0];
-  if (!chunks_.multi()) return gather(method, "time step", last_stage, steps_, stack, false);
+inline Tensors TimeStepOutputs::results_of(size_t m, const char* method, int64_t last_stage,
+                                           bool stack) const {
+  const std::vector<Tensors>& steps = parts_[m];
+  if (reduce_) return steps[0];
+  if (!chunks_.multi()) return gather(method, "time step", last_stage, steps, stack, false);
   // Chunks [k, N, ...] concatenated along dim 0 are the steps stacked.
-  Tensors out = gather(method, "time chunk", last_stage, steps_, false, false);
+  Tensors out = gather(method, "time chunk", last_stage, steps, false, false);
   if (stack) return out;
   for (size_t o = 0; o < out.size(); ++o) {
     TORCH_CHECK(out[o].dim() >= 2, "mpipe::ModelPipeline::", method, ": stage ", last_stage,
                 " returned a 0-dim tensor per time step", out.size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
                 "; outputs are concatenated along dim 0, so each needs one (or use reduce = true)");
     out[o] = out[o].flatten(0, 1);
+  }
+  return out;
+}
+
+inline Tensors TimeStepOutputs::results(const char* method, int64_t last_stage, bool stack) const {
+  if (!chunks_.split()) return results_of(0, method, last_stage, stack);
+  // Note [Micro-batches over time]: each micro-batch's sums, or its steps
+  // stacked [T, N_m, ...], joined along the batch dimension.
+  std::vector<Tensors> per;
+  for (size_t m = 0; m < parts_.size(); ++m) {
+    per.push_back(results_of(m, method, last_stage, reduce_ ? false : true));
+  }
+  const int64_t dim = reduce_ ? 0 : 1;
+  Tensors out;
+  for (size_t o = 0; o < per[0].size(); ++o) {
+    std::vector<at::Tensor> parts;
+    for (size_t m = 0; m < per.size(); ++m) {
+      TORCH_CHECK(per[m].size() == per[0].size(), "mpipe::ModelPipeline::", method, ": stage ",
+                  last_stage, " returned ", per[m].size(), " tensors in micro-batch ", m,
+                  " but ", per[0].size(), " in micro-batch 0");
+      TORCH_CHECK(per[m][o].dim() > dim, "mpipe::ModelPipeline::", method, ": stage ", last_stage,
+                  " returned a 0-dim tensor per time step",
+                  per[0].size() > 1 ? c10::str(" (output ", o, ")") : std::string(),
+                  "; with micro-batches, outputs are joined along the batch dimension (dim 0 of "
+                  "each step's output), so each needs one");
+      parts.push_back(per[m][o]);
+    }
+    at::Tensor joined = at::cat(parts, dim);
+    out.push_back(reduce_ || stack ? joined : joined.flatten(0, 1));
   }
   return out;
 }

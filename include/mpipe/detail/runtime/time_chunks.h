@@ -1,7 +1,8 @@
 #pragma once
 
 // Private: a call's T time steps as items of k steps each (Note [Time chunks]
-// in calls-inl.h).
+// in calls-inl.h), for each of its micro-batches (Note [Micro-batches over
+// time] there).
 
 #include <c10/util/StringUtil.h>
 
@@ -15,24 +16,40 @@ namespace detail {
 /// A call's time chunk chosen by the pipeline (ModelPipelineOptions::time_chunk 0).
 constexpr int64_t kAutoChunk = -1;
 
-/// T steps as items of k steps each (the last may be shorter); k = 0 means
-/// single-step items.
+/// T steps as items of k steps each (the last may be shorter; k = 0 means
+/// single-step items), for each micro-batch of `rows` rows of a batch of
+/// `batch` (rows = 0: the whole batch). Item i is chunk chunk(i) of
+/// micro-batch micro_batch(i): a micro-batch's items are consecutive.
 struct TimeChunks {
   int64_t T = 0;
   int64_t k = 0;
+  int64_t rows = 0;
+  int64_t batch = 0;
   bool multi() const { return k > 0; }
-  int64_t count() const { return multi() ? (T + k - 1) / k : T; }
-  int64_t first(int64_t i) const { return multi() ? i * k : i; }
-  int64_t size(int64_t i) const { return multi() ? std::min(k, T - i * k) : 1; }
-  /// " (time steps a to b of T)" for chunk i; empty for single steps.
+  /// Items per micro-batch.
+  int64_t per_micro_batch() const { return multi() ? (T + k - 1) / k : T; }
+  int64_t micro_batches() const { return rows > 0 && batch > rows ? (batch - 1) / rows + 1 : 1; }
+  bool split() const { return micro_batches() > 1; }
+  int64_t count() const { return micro_batches() * per_micro_batch(); }
+  int64_t micro_batch(int64_t i) const { return split() ? i / per_micro_batch() : 0; }
+  /// The chunk (or step) of its micro-batch that item i is.
+  int64_t chunk(int64_t i) const { return split() ? i % per_micro_batch() : i; }
+  int64_t first(int64_t i) const { return multi() ? chunk(i) * k : chunk(i); }
+  int64_t size(int64_t i) const { return multi() ? std::min(k, T - chunk(i) * k) : 1; }
+  /// Micro-batch m's first row and its row count.
+  int64_t first_row(int64_t m) const { return split() ? m * rows : 0; }
+  int64_t rows_of(int64_t m) const { return split() ? std::min(rows, batch - m * rows) : batch; }
+  /// What item i is beyond its number, for messages: " (time steps a to b
+  /// of T)" for a chunk, " (micro-batch m of M, time step t of T)" with
+  /// micro-batches; empty for single steps of one batch.
   std::string steps_of(int64_t i) const {
-    if (!multi()) return {};
-    return c10::str(" (time steps ", first(i), " to ", first(i) + size(i) - 1, " of ", T, ")");
-  }
-  /// "time step t of T", or "time chunk i of n (time steps a to b of T)".
-  std::string describe(int64_t i) const {
-    if (!multi()) return c10::str("time step ", i, " of ", T);
-    return c10::str("time chunk ", i, " of ", count(), steps_of(i));
+    const std::string mb =
+        split() ? c10::str("micro-batch ", micro_batch(i), " of ", micro_batches(), ", ") : "";
+    if (multi()) {
+      return c10::str(" (", mb, "time steps ", first(i), " to ", first(i) + size(i) - 1, " of ", T,
+                      ")");
+    }
+    return split() ? c10::str(" (", mb, "time step ", first(i), " of ", T, ")") : std::string();
   }
 };
 

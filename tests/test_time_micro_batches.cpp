@@ -1,0 +1,316 @@
+// Time-step calls over micro-batches and time chunks at once (Note
+// [Micro-batches over time]): constant_forward, sequence_forward and
+// constant_train_step with a micro-batch split, against a plain loop that
+// runs each micro-batch for T steps (values and gradients, tolerance 0),
+// threaded and inline, single-step stages and every chunk size; the items'
+// order and micro-batches as the stages see them; errors.
+
+#include "common.h"
+
+#include <mpipe/snn.h>
+
+#include <optional>
+
+using namespace mpipe_test;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::Split;
+using mpipe::snn::IFNode;
+using mpipe::snn::IFNodeOptions;
+using mpipe::snn::LIFNode;
+using mpipe::snn::LIFNodeOptions;
+using mpipe::snn::SeqToANN;
+using mpipe::snn::StepMode;
+
+namespace {
+
+/// x minus half its mean over the batch rows (dim -2): a layer whose result
+/// depends on the rows it sees, so a micro-batch's result differs from the
+/// whole batch's, as with batch statistics.
+struct BatchCentreImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) { return x - x.mean(-2, true) * 0.5; }
+};
+TORCH_MODULE(BatchCentre);
+
+/// Three stages of Linear + LIF (the last Linear + IF; the second centres
+/// its rows first), single-step and multi-step, sharing the Linear layers.
+struct Stages {
+  std::vector<torch::nn::Linear> fc;
+  std::vector<torch::nn::Sequential> single, multi;
+  explicit Stages(int64_t width = 8) {
+    torch::manual_seed(41);
+    for (int s = 0; s < 3; ++s) {
+      fc.emplace_back(torch::nn::Linear(width, width));
+      fc.back()->to(torch::kDouble);
+      auto neuron = [&](StepMode mode) -> torch::nn::AnyModule {
+        if (s == 2) return torch::nn::AnyModule(IFNode(IFNodeOptions().v_threshold(0.5).step_mode(mode)));
+        return torch::nn::AnyModule(
+            LIFNode(LIFNodeOptions().v_threshold(0.2).v_reset(std::nullopt).step_mode(mode)));
+      };
+      single.emplace_back(torch::nn::Sequential(fc.back()));
+      multi.emplace_back(torch::nn::Sequential(SeqToANN(fc.back())));
+      if (s == 1) {
+        single.back()->push_back(BatchCentre());
+        multi.back()->push_back(BatchCentre());
+      }
+      single.back()->push_back(neuron(StepMode::Single));
+      multi.back()->push_back(neuron(StepMode::Multi));
+    }
+  }
+  /// k = 0: single-step stages; else multi-step.
+  const std::vector<torch::nn::Sequential>& of(int64_t k) const { return k == 0 ? single : multi; }
+  ModelPipeline pipeline(int64_t k, ModelPipelineOptions options = {}) const {
+    ModelPipeline pipe(options);
+    for (const auto& stage : of(k)) pipe->append(stage, "cpu");
+    return pipe;
+  }
+  std::map<std::string, torch::Tensor> grads() const {
+    std::map<std::string, torch::Tensor> g;
+    for (size_t s = 0; s < fc.size(); ++s) {
+      for (const auto& kv : grads_of(*fc[s])) g[std::to_string(s) + "." + kv.first] = kv.second;
+    }
+    return g;
+  }
+  void zero() {
+    for (auto& l : fc) zero_grads(*l);
+  }
+};
+
+/// The plain loop a user writes: micro-batch m (`rows` rows of x along the
+/// batch dimension, dim 1 of a sequence) runs for T steps through `stages`
+/// under MicroBatchGuard{m, M}, in chunks of k steps (k = 0: one step per
+/// call); its steps summed one by one (reduce) or stacked, and the
+/// micro-batches joined along the batch dimension.
+torch::Tensor plain_loop(const std::vector<torch::nn::Sequential>& stages, int64_t k,
+                         const torch::Tensor& x, bool sequence, int64_t T, bool reduce,
+                         int64_t rows) {
+  const int64_t batch_dim = sequence ? 1 : 0;
+  const int64_t N = x.size(batch_dim);
+  const int64_t M = (N + rows - 1) / rows;
+  std::vector<torch::Tensor> per;
+  for (int64_t m = 0; m < M; ++m) {
+    mpipe::MicroBatchGuard guard({m, M});
+    const torch::Tensor xm = x.narrow(batch_dim, m * rows, std::min(rows, N - m * rows));
+    std::vector<torch::Tensor> steps;
+    for (int64_t t0 = 0; t0 < T; t0 += std::max<int64_t>(k, 1)) {
+      const int64_t kc = k == 0 ? 1 : std::min(k, T - t0);
+      torch::Tensor h;
+      if (k == 0) {
+        h = sequence ? xm[t0] : xm;
+      } else if (sequence) {
+        h = xm.narrow(0, t0, kc);
+      } else {
+        std::vector<int64_t> shape{kc};
+        for (auto d : xm.sizes()) shape.push_back(d);
+        h = xm.unsqueeze(0).expand(shape);
+      }
+      for (auto stage : stages) h = stage->forward(h);
+      if (k == 0) {
+        steps.push_back(h);
+      } else {
+        for (int64_t q = 0; q < kc; ++q) steps.push_back(h[q]);
+      }
+    }
+    if (reduce) {
+      torch::Tensor acc = steps[0];
+      for (size_t t = 1; t < steps.size(); ++t) acc = acc + steps[t];
+      per.push_back(acc);
+    } else {
+      per.push_back(torch::stack(steps));
+    }
+  }
+  if (reduce) return torch::cat(per, 0);
+  const torch::Tensor joined = torch::cat(per, 1);
+  return sequence ? joined : joined.flatten(0, 1);
+}
+
+/// Rows per micro-batch of `split` for a batch of N (as the pipeline reads it).
+int64_t rows_of(const Split& split, int64_t N) { return split.rows("test", N); }
+
+std::string describe(int64_t k, const Split& split, bool threads) {
+  return "chunk " + std::to_string(k) + " " + split.name() + " " + std::to_string(split.value()) +
+         " threads=" + std::to_string(threads);
+}
+
+}  // namespace
+
+TEST(TimeMicroBatches, ForwardCallsEqualAPlainLoopPerMicroBatch) {
+  Stages st;
+  const int64_t T = 6, N = 5;
+  torch::manual_seed(42);
+  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  const auto seq = torch::rand({T, N, 8}, torch::kDouble) * 1.5;
+  for (int64_t k : {0, 1, 4, 6}) {
+    for (const Split& split : {Split(2), mpipe::chunks(2), mpipe::chunks(5), Split(9)}) {
+      for (bool threads : {true, false}) {
+        SCOPED_TRACE(describe(k, split, threads));
+        const int64_t rows = rows_of(split, N);
+        auto pipe = st.pipeline(k, ModelPipelineOptions().worker_threads(threads));
+        const std::optional<int64_t> chunk = k == 0 ? std::nullopt : std::optional<int64_t>(k);
+        for (bool reduce : {true, false}) {
+          SCOPED_TRACE("reduce=" + std::to_string(reduce));
+          // Twice without a reset: each micro-batch carries its own state on.
+          std::vector<torch::Tensor> want, want_seq;
+          for (int call = 0; call < 2; ++call) {
+            want.push_back(plain_loop(st.of(k), k, x, false, T, reduce, rows));
+          }
+          mpipe::reset_states(*pipe);
+          for (int call = 0; call < 2; ++call) {
+            want_seq.push_back(plain_loop(st.of(k), k, seq, true, T, reduce, rows));
+          }
+          mpipe::reset_states(*pipe);
+          ASSERT_GT(want[1].sum().item<double>(), 0.0) << "the test should make spikes";
+          if (rows < N) {
+            const auto whole = plain_loop(st.of(k), k, x, false, T, reduce, N);
+            mpipe::reset_states(*pipe);
+            EXPECT_FALSE(torch::equal(whole, want[0])) << "micro-batches must show in the result";
+          }
+          for (int call = 0; call < 2; ++call) {
+            expect_close(pipe->constant_forward(x, T, reduce, chunk, split), want[call], 0.0,
+                         "constant_forward, call " + std::to_string(call));
+          }
+          mpipe::reset_states(*pipe);
+          for (int call = 0; call < 2; ++call) {
+            expect_close(pipe->sequence_forward(seq, reduce, chunk, split), want_seq[call], 0.0,
+                         "sequence_forward, call " + std::to_string(call));
+          }
+          mpipe::reset_states(*pipe);
+        }
+      }
+    }
+  }
+  // The options give the default split.
+  auto by_options = st.pipeline(0, ModelPipelineOptions().time_micro_batches(2));
+  const auto want = plain_loop(st.single, 0, x, false, T, true, 3);
+  mpipe::reset_states(*by_options);
+  expect_close(by_options->constant_forward(x, T), want, 0.0, "time_micro_batches(2)");
+}
+
+TEST(TimeMicroBatches, ConstantTrainStepEqualsAPlainLoopPerMicroBatch) {
+  Stages st;
+  const int64_t T = 5, N = 7;
+  torch::manual_seed(43);
+  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  const auto target = torch::rand({N, 8}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  for (int64_t k : {0, 1, 2, 5}) {
+    for (const Split& split : {Split(3), mpipe::chunks(2), mpipe::chunks(7), Split(7)}) {
+      const int64_t rows = rows_of(split, N);
+      // The plain loop, its loss on every micro-batch's sum joined.
+      auto pipe = st.pipeline(k);
+      mpipe::reset_states(*pipe);
+      st.zero();
+      auto xr = x.clone().requires_grad_();
+      const auto loss_ref = loss_fn(plain_loop(st.of(k), k, xr, false, T, true, rows), target);
+      loss_ref.backward();
+      mpipe::reset_states(*pipe);
+      const auto grads_ref = st.grads();
+      const auto x_grad_ref = xr.grad().clone();
+      for (const auto& kv : grads_ref) {
+        ASSERT_TRUE(kv.second.defined() && kv.second.abs().sum().item<double>() > 0.0)
+            << "no gradient reached " << kv.first;
+      }
+      if (rows < N) {
+        st.zero();
+        const auto whole = loss_fn(plain_loop(st.of(k), k, x, false, T, true, N), target);
+        mpipe::reset_states(*pipe);
+        EXPECT_NE(whole.item<double>(), loss_ref.item<double>())
+            << "micro-batches must show in the loss";
+      }
+      for (bool threads : {true, false}) {
+        SCOPED_TRACE(describe(k, split, threads));
+        auto p = st.pipeline(k, ModelPipelineOptions().worker_threads(threads));
+        st.zero();
+        auto xp = x.clone().requires_grad_();
+        const std::optional<int64_t> chunk = k == 0 ? std::nullopt : std::optional<int64_t>(k);
+        const auto loss = p->constant_train_step(xp, T, target, loss_fn, chunk, split);
+        expect_close(loss, loss_ref, 0.0, "loss");
+        expect_same_grads(st.grads(), grads_ref, 0.0);
+        expect_close(xp.grad(), x_grad_ref, 0.0, "gradient of x");
+      }
+    }
+  }
+}
+
+namespace {
+/// Records the micro-batch and the rows of each call, then passes x on.
+struct SeenImpl : torch::nn::Module {
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> calls;  // index, count, rows
+  int64_t fail_at = -1;                                      // a call number; -1: never
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto mb = mpipe::current_micro_batch();
+    calls.emplace_back(mb.index, mb.count, x.size(-2));
+    TORCH_CHECK(static_cast<int64_t>(calls.size()) - 1 != fail_at, "probe failure at call ",
+                fail_at);
+    return x * 2;
+  }
+};
+TORCH_MODULE(Seen);
+}  // namespace
+
+TEST(TimeMicroBatches, ItemsRunEachMicroBatchsChunksInOrderUnderItsOwnIndex) {
+  Stages st;
+  Seen seen;
+  auto pipe = st.pipeline(2);
+  pipe->append(torch::nn::Sequential(seen), "cpu");
+  const auto x = torch::rand({5, 8}, torch::kDouble);
+  pipe->constant_forward(x, 5, true, 2, Split(2));
+  // 3 micro-batches (2, 2, 1 rows) of 3 chunks (2, 2, 1 steps): micro-batch
+  // after micro-batch, each chunk after chunk.
+  const std::vector<std::tuple<int64_t, int64_t, int64_t>> want{
+      {0, 3, 2}, {0, 3, 2}, {0, 3, 2}, {1, 3, 2}, {1, 3, 2}, {1, 3, 2}, {2, 3, 1}, {2, 3, 1}, {2, 3, 1}};
+  EXPECT_EQ(seen->calls, want);
+  // One micro-batch (the default on one device): index 0 of 1, all rows.
+  seen->calls.clear();
+  mpipe::reset_states(*pipe);
+  pipe->constant_forward(x, 5, true, 5);
+  ASSERT_EQ(seen->calls.size(), 1u);
+  EXPECT_EQ(seen->calls[0], std::make_tuple(int64_t{0}, int64_t{1}, int64_t{5}));
+}
+
+TEST(TimeMicroBatches, ErrorsNameTheMicroBatchAndStepsAndThePipelineStaysUsable) {
+  Stages st;
+  Seen seen;
+  auto pipe = st.pipeline(0);
+  pipe->append(torch::nn::Sequential(seen), "cpu");
+  const auto x = torch::rand({5, 8}, torch::kDouble);
+  const auto good = pipe->constant_forward(x, 4, true, std::nullopt, mpipe::chunks(2));
+  mpipe::reset_states(*pipe);
+  seen->calls.clear();
+  seen->fail_at = 6;  // micro-batch 1, step 2
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    auto p = st.pipeline(0, ModelPipelineOptions().worker_threads(threads));
+    p->append(torch::nn::Sequential(seen), "cpu");
+    seen->calls.clear();
+    MPIPE_EXPECT_ERROR(p->constant_forward(x, 4, true, std::nullopt, mpipe::chunks(2)),
+                       "constant_forward", "stage 3", "item 6 of 8",
+                       "micro-batch 1 of 2, time step 2 of 4", "probe failure at call 6");
+    seen->calls.clear();
+    auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+    MPIPE_EXPECT_ERROR(p->constant_train_step(x, 4, torch::Tensor(), loss_fn, std::nullopt, Split(3)),
+                       "constant_train_step", "stage 3", "item 6 of 8",
+                       "micro-batch 1 of 2, time step 2 of 4");
+  }
+  seen->fail_at = -1;
+  seen->calls.clear();
+  EXPECT_FALSE(st.single[0]->children()[1]->as<LIFNode>()->holds_state())
+      << "a failed call leaves the state it found";
+  expect_close(pipe->constant_forward(x, 4, true, std::nullopt, mpipe::chunks(2)), good, 0.0,
+               "after the errors");
+  mpipe::reset_states(*pipe);
+
+  MPIPE_EXPECT_ERROR(pipe->constant_forward(x, 4, true, std::nullopt, Split(0)),
+                     "constant_forward", "split_size must be positive, got 0");
+  MPIPE_EXPECT_ERROR(pipe->sequence_forward(torch::rand({3, 5, 8}, torch::kDouble), false,
+                                            std::nullopt, mpipe::chunks(-2)),
+                     "sequence_forward", "chunks must be positive, got -2");
+  auto bad = st.pipeline(0, ModelPipelineOptions().time_micro_batches(-1));
+  MPIPE_EXPECT_ERROR(bad->constant_forward(x, 4), "ModelPipelineOptions::time_micro_batches",
+                     "got -1");
+  // A split with no batched input to cut.
+  MPIPE_EXPECT_ERROR(pipe->constant_forward({mpipe::unbatched(x)}, 4, true, std::nullopt, Split(2)),
+                     "constant_forward", "needs a batched input");
+}
