@@ -326,6 +326,17 @@ json snn_workload(const Timer& timer, const torch::Device& device, int64_t width
       multi_pipe->constant_train_step(x, T, torch::Tensor(), mean, k);
     });
   }
+  // Micro-batches x time chunks (Note [Micro-batches over time]): M
+  // micro-batches of chunks of k steps, M * T / k items.
+  for (const auto& mk : std::vector<std::pair<int64_t, int64_t>>{
+           {2, T}, {4, T}, {8, T}, {2, 8}, {4, 4}}) {
+    r["mpipe_mb" + std::to_string(mk.first) + "_chunk" + std::to_string(mk.second) +
+      "_constant_train_step_ms"] = timer.median_ms([&] {
+      multi_pipe->zero_grad();
+      multi_pipe->constant_train_step(x, T, torch::Tensor(), mean, mk.second,
+                                      mpipe::chunks(mk.first));
+    });
+  }
   if (timer.cuda) {
     mpipe::ModelPipeline graphed(mpipe::ModelPipelineOptions().cuda_graphs(true));
     for (size_t s = 0; s < multi_stages.size(); ++s) graphed->append(multi_stages[s], devices[s]);

@@ -97,10 +97,6 @@ std::vector<torch::nn::Sequential> make_snn_stages(const Config& c, int64_t n) {
   return stages;
 }
 
-torch::nn::Sequential copy_of(const torch::nn::Sequential& s) {
-  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s->clone()));
-}
-
 /// (micro-batches, time chunk) pairs of --grid.
 std::vector<std::pair<int64_t, int64_t>> parse_grid(const std::string& grid) {
   std::vector<std::pair<int64_t, int64_t>> out;
@@ -130,7 +126,7 @@ int snn_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   std::vector<torch::nn::Sequential> local;  // rank 0's copies, for one-process runs
   double plain = 0;
   if (group.rank() == 0) {
-    for (const auto& s : stages) local.push_back(copy_of(s));
+    local = make_snn_stages(c, n);  // the same draws as `stages`
     // The plain model: all T steps in one multi-step call of every stage.
     plain = median_seconds(c, [&] {
       for (auto& s : local) s->zero_grad();
@@ -189,7 +185,7 @@ int snn_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group));
   const auto range = group.stage_range(n);
   for (int64_t s = range.first; s < range.second; ++s) {
-    pipe->append(copy_of(stages[static_cast<size_t>(s)]), "cpu");
+    pipe->append(stages[static_cast<size_t>(s)], "cpu");
   }
   size_t g = 0;
   for (const auto& mk : grid) {

@@ -220,8 +220,11 @@ TEST(TimeMicroBatches, ConstantTrainStepEqualsAPlainLoopPerMicroBatch) {
             << "micro-batches must show in the loss";
       }
       for (bool threads : {true, false}) {
-        SCOPED_TRACE(describe(k, split, threads));
-        auto p = st.pipeline(k, ModelPipelineOptions().worker_threads(threads));
+       for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
+                               mpipe::Checkpoint::Always}) {
+        SCOPED_TRACE(describe(k, split, threads) +
+                     " checkpoint=" + std::to_string(static_cast<int>(checkpoint)));
+        auto p = st.pipeline(k, ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
         st.zero();
         auto xp = x.clone().requires_grad_();
         const std::optional<int64_t> chunk = k == 0 ? std::nullopt : std::optional<int64_t>(k);
@@ -229,6 +232,7 @@ TEST(TimeMicroBatches, ConstantTrainStepEqualsAPlainLoopPerMicroBatch) {
         expect_close(loss, loss_ref, 0.0, "loss");
         expect_same_grads(st.grads(), grads_ref, 0.0);
         expect_close(xp.grad(), x_grad_ref, 0.0, "gradient of x");
+       }
       }
     }
   }
@@ -313,4 +317,142 @@ TEST(TimeMicroBatches, ErrorsNameTheMicroBatchAndStepsAndThePipelineStaysUsable)
   // A split with no batched input to cut.
   MPIPE_EXPECT_ERROR(pipe->constant_forward({mpipe::unbatched(x)}, 4, true, std::nullopt, Split(2)),
                      "constant_forward", "needs a batched input");
+}
+
+// On the GPU (stages on cuda:0, streams): eager and from CUDA graphs, whose
+// third call of a kind is a replay (the host stage is not called).
+TEST(TimeMicroBatches, EqualAPlainLoopOnTheGpuEagerAndGraphed_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  Stages st(64);
+  for (auto& fc : st.fc) fc->to(torch::kCUDA);
+  const int64_t T = 8, N = 32;
+  torch::manual_seed(44);
+  const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kDouble);
+  const auto x = torch::rand({N, 64}, opts) * 1.5;
+  const auto target = torch::rand({N, 64}, opts);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  for (bool graphs : {false, true}) {
+    HostCalls counting;
+    ModelPipeline pipe(ModelPipelineOptions().cuda_graphs(graphs));
+    for (const auto& stage : st.multi) pipe->append(stage, "cuda:0");
+    pipe->append(torch::nn::Sequential(counting), "cuda:0");
+    for (const auto& ks : std::vector<std::pair<int64_t, Split>>{
+             {8, mpipe::chunks(4)}, {2, Split(8)}, {3, mpipe::chunks(2)}}) {
+      const int64_t k = ks.first, rows = rows_of(ks.second, N);
+      SCOPED_TRACE("cuda_graphs=" + std::to_string(graphs) + " " + describe(k, ks.second, true));
+      torch::Tensor want;
+      {
+        torch::NoGradGuard no_grad;
+        want = plain_loop(st.multi, k, x, false, T, true, rows);
+        mpipe::reset_states(*pipe);
+        ASSERT_GT(want.sum().item<double>(), 0.0) << "the test should make spikes";
+        int64_t calls = 0;
+        for (int rep = 0; rep < 3; ++rep) {
+          if (rep == 2) calls = counting->calls;
+          expect_close(pipe->constant_forward(x, T, true, k, ks.second), want, 1e-12, "spikes");
+          mpipe::reset_states(*pipe);
+        }
+        if (graphs) EXPECT_EQ(counting->calls, calls) << "the third call must be a replay";
+      }
+      st.zero();
+      const auto loss_ref = loss_fn(plain_loop(st.multi, k, x, false, T, true, rows), target);
+      loss_ref.backward();
+      mpipe::reset_states(*pipe);
+      const auto grads_ref = st.grads();
+      for (int rep = 0; rep < 3; ++rep) {
+        st.zero();
+        expect_close(pipe->constant_train_step(x, T, target, loss_fn, k, ks.second), loss_ref,
+                     1e-12, "loss");
+        expect_same_grads(st.grads(), grads_ref, 1e-12);
+      }
+    }
+  }
+}
+
+namespace {
+/// Counts its calls, and those made while recomputing; passes x on.
+struct RecountImpl : torch::nn::Module {
+  int64_t calls = 0, recomputes = 0;
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    recomputes += mpipe::is_recomputing();
+    return x;
+  }
+};
+TORCH_MODULE(Recount);
+}  // namespace
+
+// Note [Checkpointed time steps]: a checkpointed micro-batch runs its chunks
+// again once, on every stage but the last; dropout draws the same masks, so
+// the step equals the one without checkpointing.
+TEST(TimeMicroBatches, CheckpointingRecomputesEachMicroBatchOnceOnEveryStageButTheLast) {
+  Stages st;
+  const int64_t T = 6, N = 6;
+  torch::manual_seed(45);
+  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  const auto target = torch::rand({N, 8}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  struct Run {
+    torch::Tensor loss, x_grad;
+    std::map<std::string, torch::Tensor> grads;
+    int64_t calls[2], recomputes[2];
+  };
+  auto run = [&](mpipe::Checkpoint checkpoint, bool threads) {
+    Recount middle, last;
+    ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads).checkpoint(checkpoint));
+    // The stages' modules, and one more.
+    auto with = [](const torch::nn::Sequential& base, torch::nn::AnyModule extra) {
+      torch::nn::Sequential seq;
+      for (const auto& m : *base) seq->push_back(m);
+      seq->push_back(std::move(extra));
+      return seq;
+    };
+    pipe->append(with(st.multi[0], torch::nn::AnyModule(SeqToANN(torch::nn::Dropout(0.3)))), "cpu");
+    pipe->append(with(st.multi[1], torch::nn::AnyModule(middle)), "cpu");
+    pipe->append(with(st.multi[2], torch::nn::AnyModule(last)), "cpu");
+    st.zero();
+    auto xg = x.clone().requires_grad_();
+    Run r;
+    r.loss = pipe->constant_train_step(xg, T, target, loss_fn, 2, mpipe::chunks(3));
+    r.x_grad = xg.grad();
+    r.grads = st.grads();
+    r.calls[0] = middle->calls;
+    r.calls[1] = last->calls;
+    r.recomputes[0] = middle->recomputes;
+    r.recomputes[1] = last->recomputes;
+    return r;
+  };
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    torch::manual_seed(46);
+    const Run never = run(mpipe::Checkpoint::Never, threads);
+    EXPECT_EQ(never.calls[0], 9) << "3 micro-batches x 3 chunks";
+    EXPECT_EQ(never.recomputes[0], 0);
+    for (auto checkpoint : {mpipe::Checkpoint::ExceptLast, mpipe::Checkpoint::Always}) {
+      const bool all = checkpoint == mpipe::Checkpoint::Always;
+      SCOPED_TRACE(all ? "Always" : "ExceptLast");
+      torch::manual_seed(46);  // the same seed: the same dropout masks
+      const Run got = run(checkpoint, threads);
+      EXPECT_EQ(got.recomputes[0], all ? 9 : 6) << "each checkpointed micro-batch's 3 chunks, once";
+      EXPECT_EQ(got.calls[0], 9 + got.recomputes[0]);
+      EXPECT_EQ(got.calls[1], 9) << "the last stage is not checkpointed";
+      EXPECT_EQ(got.recomputes[1], 0);
+      expect_close(got.loss, never.loss, 0.0, "loss");
+      expect_same_grads(got.grads, never.grads, 0.0);
+      expect_close(got.x_grad, never.x_grad, 0.0, "gradient of x");
+    }
+  }
+  // A stateful module that cannot save its state cannot be recomputed.
+  ModelPipeline pipe(ModelPipelineOptions().checkpoint(mpipe::Checkpoint::Always));
+  Leaky leaky(8);
+  leaky->snapshots = false;
+  leaky->to(torch::kDouble);
+  pipe->append(leaky, "cpu");
+  pipe->append(st.single[2], "cpu");
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, T, target, loss_fn),
+                     "constant_train_step", "stage 0 holds a stateful module without state snapshots");
 }

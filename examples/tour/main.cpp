@@ -147,12 +147,16 @@ bool time_chunks(torch::Device device) {
   pipe->append(Sequential(snn::SeqToANN(Linear(784, 512)), snn::LIFNode(multi)), device)
       .append(Sequential(snn::SeqToANN(Linear(512, 10)), snn::LIFNode(multi)), device);
   pipe->constant_train_step(x, T, labels, loss_fn);      // chunks of 4 steps
+  // 4 micro-batches x chunks of 8 steps: 4 * T / 8 items, each micro-batch with its own state
+  pipe->constant_train_step(x, T, labels, loss_fn, /*time_chunk=*/8, mpipe::chunks(4));
   torch::NoGradGuard no_grad;
   auto chunked = pipe->constant_forward(x, T);
   mpipe::reset_states(*pipe);
   auto whole = pipe->constant_forward(x, T, true, /*time_chunk=*/T);  // one chunk: no overlap over time
   mpipe::reset_states(*pipe);
-  return close(chunked, whole);
+  auto split = pipe->constant_forward(x, T, true, std::nullopt, /*split=*/4);  // 4 rows each
+  mpipe::reset_states(*pipe);
+  return close(chunked, whole) && close(chunked, split);
 }
 
 // Schedules ----------------------------------------------------------------------

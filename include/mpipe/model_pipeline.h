@@ -266,6 +266,7 @@ class ModelPipelineImpl : public torch::nn::Module {
   c10::Device output_device() const;
 
   // Stateful modules in the stages keep one state per micro-batch of forward
+  // (and of the time-step calls' split)
   // (Note [Per-micro-batch state], mpipe/state.h); reset them all with
   // mpipe::reset_states(*pipeline).
 

@@ -34,7 +34,11 @@ struct ModelPipelineOptions {
   /// Activation checkpointing in train_step (only in training mode): a
   /// checkpointed stage keeps just its input in forward and runs again in
   /// backward, drawing the same random numbers, so dropout draws the same
-  /// mask. See Note [Training runtime].
+  /// mask. See Note [Training runtime]. constant_train_step checkpoints by
+  /// micro-batch of its split (ExceptLast: all but the last micro-batch) on
+  /// every stage but the last: a checkpointed micro-batch runs all its time
+  /// chunks again at its first backward on the stage, so a stage holds one
+  /// micro-batch's graph at a time (Note [Checkpointed time steps]).
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::Never;
   /// Capture no-grad forward / constant_forward / sequence_forward calls, and
   /// whole training steps (train_step, constant_train_step: forward and
@@ -107,8 +111,17 @@ struct ModelPipelineOptions {
   /// constant_train_step (a call's own `split` overrides it): n cuts the
   /// batch into n micro-batches (mpipe::chunks(n)'s rule), each with its own
   /// neuron state, and the items streamed are (micro-batch, time chunk)
-  /// pairs. 0 (the default) chooses: TODO.
-  /// See Note [Micro-batches over time].
+  /// pairs, so stages overlap even with one chunk of all T steps. Results
+  /// equal a plain loop run on each micro-batch; they differ from the whole
+  /// batch's where a layer depends on the rows it sees (BatchNorm's batch
+  /// statistics, SpikingConvBlock in training). 0 (the default) chooses: the
+  /// whole batch, except for multi-step stages spread over D devices (or
+  /// ranks) whose time chunks give fewer than 2 items per device (T < 2D
+  /// with the default chunk); then about 4 items per device, min(batch,
+  /// ceil(4D / chunks)) micro-batches. Measured: the speed-up depends on the
+  /// item count, not on how items are cut, and 4 per device reached 82 % of
+  /// the ideal (bench/RESULTS.md). 1 never cuts the batch. See Note
+  /// [Micro-batches over time].
   TORCH_ARG(int64_t, time_micro_batches) = 0;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();

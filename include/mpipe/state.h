@@ -14,8 +14,9 @@
 // split). The pipeline therefore tells each stage call which micro-batch it
 // serves: around every call of a stage's forward, the runtime sets a
 // thread-local MicroBatch {index, count} (count = number of micro-batches of
-// that call; index 0 of 1 for constant_forward and sequence_forward, whose
-// items are time steps of one batch, and outside any pipeline). A stateful
+// that call; for constant_forward, sequence_forward and constant_train_step
+// the micro-batch of their split, index 0 of 1 without one, and outside any
+// pipeline). A stateful
 // module keeps one slot per micro-batch, PerMicroBatch<T> does the
 // bookkeeping, so T calls of forward(x_t, split) give what T calls of the
 // plain model on the whole batch give, for every split. Keep the split fixed

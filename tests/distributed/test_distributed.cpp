@@ -80,7 +80,8 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
 void expect_same_grads(const mpipe::ModelPipeline& pipe, const Stages& reference,
                        const std::string& what) {
   const int64_t first = group().stage_range(static_cast<int64_t>(reference.size())).first;
-  for (size_t k = 0; k < pipe->size(); ++k) {
+  // Stages past the reference's (a probe appended by a test) have none.
+  for (size_t k = 0; k < pipe->size() && static_cast<size_t>(first) + k < reference.size(); ++k) {
     const auto got = pipe->stage(k)->parameters();
     const auto want = reference[static_cast<size_t>(first) + k]->parameters();
     ASSERT_EQ(got.size(), want.size());
@@ -210,7 +211,8 @@ TEST(Distributed, AutocastAndLossScalingWorkAcrossRanks) {
     EXPECT_TRUE(torch::allclose(loss, want.detach(), 1e-6, 1e-7)) << "the loss is not scaled";
   }
   const int64_t first = group().stage_range(ranks + 1).first;
-  for (size_t k = 0; k < pipe->size(); ++k) {
+  // Stages past the reference's (a probe appended by a test) have none.
+  for (size_t k = 0; k < pipe->size() && static_cast<size_t>(first) + k < reference.size(); ++k) {
     const auto got = pipe->stage(k)->parameters();
     const auto ref = reference[static_cast<size_t>(first) + k]->parameters();
     for (size_t p = 0; p < got.size(); ++p) {
@@ -360,13 +362,23 @@ TEST(Distributed, TimeChunksEqualThePlainMultiStepModel) {
   }
 }
 
+/// Passes x on, noting how many micro-batches its call has.
+struct MicroBatchCountImpl : torch::nn::Module {
+  int64_t count = 0;
+  at::Tensor forward(const at::Tensor& x) {
+    count = mpipe::current_micro_batch().count;
+    return x;
+  }
+};
+TORCH_MODULE(MicroBatchCount);
+
 // Note [Micro-batches over time]: (micro-batch, time chunk) items across
 // ranks, against a plain multi-step loop per micro-batch, joined.
 TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
   if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
   const int64_t n = group().pipeline_size(), T = 6, N = 5;
-  const Stages reference = make_multi_step_model(n, 9);
-  const Stages mine = make_multi_step_model(n, 9);
+  const Stages reference = make_multi_step_model(n);
+  const Stages mine = make_multi_step_model(n);
   const auto range = group().stage_range(n);
   auto per_micro_batch = [&](const at::Tensor& seq, int64_t rows, bool reduce) {
     for (auto stage : reference) mpipe::reset_states(*stage);
@@ -396,6 +408,8 @@ TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
     for (int64_t s = range.first; s < range.second; ++s) {
       pipe->append(mine[static_cast<size_t>(s)], "cpu");
     }
+    MicroBatchCount probe;  // on the last rank, after its stages: passes x on
+    if (group().is_last()) pipe->append(probe, "cpu");
     {
       torch::NoGradGuard no_grad;
       const at::Tensor want = per_micro_batch(x.unsqueeze(0).expand({T, N, 6}), 3, true);
@@ -417,10 +431,44 @@ TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
     }
     const at::Tensor want = mse(per_micro_batch(x.unsqueeze(0).expand({T, N, 6}), 2, true), y);
     want.backward();
-    for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
-    const at::Tensor loss = pipe->constant_train_step(x, T, y, mse, 4, mpipe::Split(2));
-    if (group().is_last()) expect_close(loss, want.detach(), "constant_train_step loss" + what);
-    expect_same_grads(pipe, reference, "constant_train_step, 2 rows x 4 steps" + what);
+    for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+      const std::string how = what + (checkpoint == mpipe::Checkpoint::Always ? ", checkpointed" : "");
+      pipe->options.checkpoint(checkpoint);
+      for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+      const at::Tensor loss = pipe->constant_train_step(x, T, y, mse, 4, mpipe::Split(2));
+      if (group().is_last()) expect_close(loss, want.detach(), "constant_train_step loss" + how);
+      expect_same_grads(pipe, reference, "constant_train_step, 2 rows x 4 steps" + how);
+    }
+    pipe->options.checkpoint(mpipe::Checkpoint::Never);
+    // The pipeline's choice: T = 2 steps give 2 chunks, fewer than 2 per
+    // rank, so the batch is cut into about 4 items per rank.
+    {
+      torch::NoGradGuard no_grad;
+      const int64_t m = std::min(N, (4 * n + 1) / 2), rows = (N + m - 1) / m;
+      const at::Tensor short_seq = seq.narrow(0, 0, 2);
+      const at::Tensor got = pipe->sequence_forward(group().is_first() ? short_seq : at::Tensor(),
+                                                    false);
+      mpipe::reset_states(*pipe);
+      // per_micro_batch sums over T steps: compare the two steps stacked.
+      for (auto stage : reference) mpipe::reset_states(*stage);
+      std::vector<at::Tensor> parts;
+      const int64_t M = (N + rows - 1) / rows;
+      for (int64_t mb = 0; mb < M; ++mb) {
+        mpipe::MicroBatchGuard guard({mb, M});
+        parts.push_back(plain(reference, short_seq.narrow(1, mb * rows, std::min(rows, N - mb * rows))));
+      }
+      for (auto stage : reference) mpipe::reset_states(*stage);
+      if (group().is_last()) {
+        expect_close(got, at::cat(parts, 1), "sequence_forward, the automatic split" + what);
+        EXPECT_EQ(probe->count, M) << "the automatic split";
+      }
+      pipe->sequence_forward(group().is_first() ? seq : at::Tensor(), false);
+      mpipe::reset_states(*pipe);
+      // T = 6: 6 chunks, enough for 2 and 3 ranks; 4 ranks want 16 items.
+      if (group().is_last()) {
+        EXPECT_EQ(probe->count, T >= 2 * n ? 1 : std::min(N, (4 * n + T - 1) / T)) << "T = 6";
+      }
+    }
   }
 }
 

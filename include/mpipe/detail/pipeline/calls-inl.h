@@ -146,6 +146,17 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
 // gradients are summed, those of the plain loop "for each micro-batch, for
 // each step", which the results therefore equal bit for bit
 // (tests/test_time_micro_batches.cpp).
+//
+// The automatic split (time_micro_batches 0, resolve_rows) cuts the batch
+// only for multi-step stages over D > 1 devices whose chunks make fewer than
+// 2 items per device; then into about 4 items per device. Measured on 2 CPU
+// ranks (bench/RESULTS.md, SNN training step, T = 8): the speed-up follows
+// the item count whichever axis makes it (1 x 8 steps, 2 x 4, 4 x 2, 8 x 1
+// items all reach 1.58-1.66x of an ideal 2x; 2 items 1.23-1.33x), and more
+// than 4 items per device add 2-5 %. Splitting changes what layers that
+// depend on the batch rows compute, and single-step calls keep the plain
+// per-step loop's results bit for bit, so the whole batch stays the default
+// wherever chunks alone fill the pipeline.
 
 MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_t T) const {
   if (chunk != detail::kAutoChunk) return chunk;
@@ -153,31 +164,39 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_chunk(int64_t chunk, int64_
   // that share a device gain nothing from overlapping. Across devices, about
   // four chunks per device keep each busy (the fill-drain bubble is D - 1 of
   // n + D - 1 items).
-  int64_t n_devices = 0;
-  if (distributed()) {
-    n_devices = static_cast<int64_t>(layout.first.size());
-  } else {
-    std::vector<c10::Device> seen;
-    for (const auto& d : devices) {
-      if (std::find(seen.begin(), seen.end(), d) == seen.end()) seen.push_back(d);
-    }
-    n_devices = static_cast<int64_t>(seen.size());
-  }
+  const int64_t n_devices = pipeline_devices();
   if (n_devices <= 1) return T;
   return std::max<int64_t>(1, (T + 4 * n_devices - 1) / (4 * n_devices));
+}
+
+MPIPE_FUNC int64_t ModelPipelineImpl::State::pipeline_devices() const {
+  if (distributed()) return static_cast<int64_t>(layout.first.size());
+  std::vector<c10::Device> seen;
+  for (const auto& d : devices) {
+    if (std::find(seen.begin(), seen.end(), d) == seen.end()) seen.push_back(d);
+  }
+  return static_cast<int64_t>(seen.size());
 }
 
 MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_rows(const char* method,
                                                          const std::optional<Split>& split,
                                                          int64_t batch, int64_t T,
                                                          int64_t chunk) const {
-  if (!split) return 0;  // automatic: one micro-batch (for now)
+  if (!split) {
+    // The pipeline's choice (Note [Micro-batches over time]): the whole batch,
+    // unless multi-step chunks give fewer than 2 items per device; then
+    // about 4 items per device.
+    const int64_t n_devices = pipeline_devices();
+    if (chunk <= 0 || batch <= 1 || n_devices <= 1) return 0;
+    const int64_t n_chunks = (T + chunk - 1) / chunk;
+    if (n_chunks >= 2 * n_devices) return 0;
+    const int64_t m = std::min(batch, (4 * n_devices + n_chunks - 1) / n_chunks);
+    return Split::chunks(m).rows(method, batch);
+  }
   TORCH_CHECK(batch > 0 || split->value() == 1, "mpipe::ModelPipeline::", method,
               ": a micro-batch split (", split->name(), " ", split->value(),
               ") needs a batched input with rows to split; no input is batched");
   if (batch <= 0) return 0;
-  (void)T;
-  (void)chunk;
   return split->rows(method, batch);
 }
 
@@ -258,6 +277,9 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   // constant_train_step: the loss of the summed outputs, then backward chunk
   // by chunk (Note [Chained backward]).
   spec.training = spec.chained = true;
+  // By micro-batch (Note [Checkpointed time steps] in runtime/actions-inl.h).
+  spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
+  spec.stateful = &stateful;
   if (target.defined()) spec.caller_tensors.push_back(target);
   spec.chain_loss = [outs, method, n_stages, loss_fn, target] {  // on the last stage's stream
     return detail::scalar_loss(loss_fn,

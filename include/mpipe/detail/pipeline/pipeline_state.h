@@ -168,6 +168,9 @@ struct ModelPipelineImpl::State {
   /// `chunk`: steps per stage call with multi-step stages, 0 for single
   /// steps, detail::kAutoChunk for resolve_chunk's choice (Note [Time chunks]).
   int64_t resolve_chunk(int64_t chunk, int64_t T) const;
+  /// The devices the pipeline spans: distinct stage devices, or ranks across
+  /// processes.
+  int64_t pipeline_devices() const;
   /// Rows per micro-batch of a time-step call over a batch of `batch` rows
   /// (0: one micro-batch); `split` empty: the pipeline's choice (Note
   /// [Micro-batches over time]).

@@ -248,6 +248,9 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
   };
   kind.check = [&](const detail::CallInfo&, detail::RemoteCall* remote) {
     detail::check_grad_mode("constant_train_step");
+    if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
+      check_checkpointable("constant_train_step");
+    }
     if (!remote || remote->last()) {
       TORCH_CHECK(static_cast<bool>(loss_fn),
                   "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");

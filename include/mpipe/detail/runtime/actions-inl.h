@@ -72,14 +72,22 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   }
   Run::Saved* sv = call.training ? &run.saved[local(j)][static_cast<size_t>(i)]
                                  : nullptr;
-  const bool ckpt = call.training && checkpointed(call.checkpoint, i, call.n_items);
-  if (sv && !(call.chained && j == 0)) {  // chained: the caller's graph is the chain's
+  // Chained: by micro-batch, never on the last stage (Note [Checkpointed
+  // time steps]).
+  const bool ckpt =
+      call.training &&
+      (call.chained ? !last && checkpointed(call.checkpoint, call.time_chunks.micro_batch(i),
+                                            call.time_chunks.micro_batches())
+                    : checkpointed(call.checkpoint, i, call.n_items));
+  if (sv) {
     sv->checkpointed = ckpt;
-    for (size_t k = 0; k < in.size(); ++k) {
-      in[k] = leaf(in[k], j > 0 || (k < call.input_requires_grad.size() &&
-                                    call.input_requires_grad[k]));
+    if (!(call.chained && j == 0)) {  // chained: the caller's graph is the chain's
+      for (size_t k = 0; k < in.size(); ++k) {
+        in[k] = leaf(in[k], j > 0 || (k < call.input_requires_grad.size() &&
+                                      call.input_requires_grad[k]));
+      }
     }
-    sv->inputs = in;
+    if (!(call.chained && j == 0) || ckpt) sv->inputs = in;  // chained: for the recompute
   }
 
   c10::OptionalStreamGuard stream_guard(compute);
@@ -134,7 +142,10 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
       return Tensors();  // not reached: TORCH_CHECK threw
     };
     if (ckpt) {
-      if (call.stateful) sv->state_before = StateSnapshot((*call.stateful)[local(j)]);
+      // Chained: a micro-batch is recomputed from the state before its first chunk.
+      if (call.stateful && (!call.chained || call.time_chunks.chunk(i) == 0)) {
+        sv->state_before = StateSnapshot((*call.stateful)[local(j)]);
+      }
       c10::NoGradGuard no_grad;
       // No cast made here may enter autocast's cache: made without grad, it
       // would serve the recompute, and no gradient would reach its weight.
@@ -205,6 +216,69 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
 
+// Note [Checkpointed time steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// constant_train_step checkpoints by micro-batch (Note [Micro-batches over
+// time]): a checkpointed micro-batch's chunks run forward without a graph,
+// keeping their inputs and, before the first, the stage's module state.
+// A chunk's graph cannot be rebuilt alone: it reads the state the chunk
+// before left, through that chunk's graph (Note [Chained backward]). So the
+// micro-batch's first backward on the stage (its last chunk's) runs all its
+// chunks again, in order, from the saved state, each under its own random
+// draws (Note [Random draws]), records each chunk's nodes as its forward
+// would have, and puts the module state back; the chunks' backwards then run
+// as usual. Peak memory is one micro-batch's graph per stage instead of the
+// whole batch's. The last stage is never checkpointed: its outputs of every
+// micro-batch feed the one loss, so it would have to keep them all anyway.
+
+MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
+                                                const char*& phase) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = place(j);
+  const int64_t first = i - call.time_chunks.chunk(i);
+  const int64_t end = first + call.time_chunks.per_micro_batch();
+  auto& saved = run.saved[local(j)];
+  StateSnapshot& before = saved[static_cast<size_t>(first)].state_before;
+  phase = call.time_chunks.split()   ? "recompute of item"
+          : call.time_chunks.multi() ? "recompute of time chunk"
+                                     : "recompute of time step";
+  struct Reload {  // the state of now, after the recompute (as in backward_action)
+    StateSnapshot now;
+    ~Reload() {
+      try {
+        now.load();
+      } catch (...) {
+      }
+    }
+  } reload{before.empty() ? StateSnapshot() : StateSnapshot((*call.stateful)[local(j)])};
+  before.load();
+  RecomputeGuard recompute;
+  for (int64_t q = first; q < end; ++q) {
+    Run::Saved& s = saved[static_cast<size_t>(q)];
+    TaskSpan span(call.recorder, j, q, TaskKind::Recompute, stage.device, stage.compute);
+    RngScope draws(run.rng, j, q);
+    SkipScope skips(
+        [&](const std::string& name, at::Tensor t) { s.stashed[name] = std::move(t); },
+        [&](const std::string& name) {
+          auto it = s.popped.find(name);
+          if (it != s.popped.end()) return it->second;
+          auto own = s.stashed.find(name);  // stashed by this stage's recompute
+          TORCH_CHECK(own != s.stashed.end(), "pop('", name,
+                      "'): the recompute popped a name its forward did not");
+          at::Tensor t = own->second;
+          s.stashed.erase(own);
+          return t;
+        });
+    const uint64_t lo = ChunkNodes::now();
+    s.outputs = (*run.forwards)[local(j)](s.inputs);
+    s.nodes = ChunkNodes{lo, ChunkNodes::now()};
+    s.checkpointed = false;
+  }
+  phase = call.time_chunks.split()   ? "backward of item"
+          : call.time_chunks.multi() ? "backward of time chunk"
+                                     : "backward of time step";
+}
+
 MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase,
                                           bool split) {
   CallSpec& call = *run.call;
@@ -216,6 +290,9 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
   MicroBatchGuard micro_batch(call.micro_batch_of(i));
+  if (sv.checkpointed && call.chained) {
+    recompute_micro_batch(run, j, i, phase);  // Note [Checkpointed time steps]
+  }
   Tensors roots = sv.outputs;
   std::map<std::string, at::Tensor> stashed = sv.stashed;
   if (sv.checkpointed) {
@@ -285,12 +362,16 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   std::map<std::string, at::Tensor> popped_grads;
   BackwardScope backward_scope;  // Note [Backward on the worker's thread]
   if (call.chained) {  // Note [Chained backward]: chunk i's nodes, from the last chunk down
-    Tensors leaves = sv.inputs;
+    // Stage 0's inputs are the caller's tensors (kept only for a recompute):
+    // their gradients go on through the caller's graph.
+    Tensors leaves = j > 0 ? sv.inputs : Tensors();
+    if (j == 0) input_grads.clear();
     for (const auto& p : sv.popped) leaves.push_back(p.second);
     const Tensors got = run.chains[local(j)].backward(r, g, sv.nodes, leaves,
                                                       /*final=*/i == 0, run.stops);
-    for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = got[k];
-    size_t at = sv.inputs.size();
+    const size_t n_in = j > 0 ? sv.inputs.size() : 0;
+    for (size_t k = 0; k < n_in; ++k) input_grads[k] = got[k];
+    size_t at = n_in;
     for (const auto& p : sv.popped) popped_grads[p.first] = got[at++];
   } else if (!split) {
     if (!r.empty()) torch::autograd::backward(r, g);

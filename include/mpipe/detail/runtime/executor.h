@@ -192,6 +192,9 @@ class Executor {
   /// B(item) (full backward) or, with `split`, I(item): the gradients of the
   /// stage's inputs only, keeping the graph for weight_action.
   void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
+  /// Chained calls: runs again every chunk of item `item`'s micro-batch that
+  /// the stage checkpointed (Note [Checkpointed time steps] in actions-inl.h).
+  void recompute_micro_batch(Run& run, int64_t stage, int64_t item, const char*& phase);
   /// W(item): the gradients of the stage's weights from the graph I kept.
   void weight_action(Run& run, int64_t stage, int64_t item);
   /// Runs one action, catching its failure; false when the call has failed
