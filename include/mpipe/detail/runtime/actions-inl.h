@@ -79,7 +79,10 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
       (call.chained ? !last && checkpointed(call.checkpoint, call.time_chunks.micro_batch(i),
                                             call.time_chunks.micro_batches())
                     : checkpointed(call.checkpoint, i, call.n_items));
-  if (sv) {
+  // Where the graph is cut at this stage's boundary: not in one graph (Note
+  // [One item, one graph]).
+  Run::Saved* const cut = run.whole_graph ? nullptr : sv;
+  if (cut) {
     sv->checkpointed = ckpt;
     if (!(call.chained && j == 0)) {  // chained: the caller's graph is the chain's
       for (size_t k = 0; k < in.size(); ++k) {
@@ -102,20 +105,20 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) {
           run.skips.stash(name, i, j);
-          if (sv) {
+          if (cut) {
             own[name] = t;
             if (!ckpt) sv->stashed[name] = t;
           }
-          run.transport->send(j, -1, Key{Key::Skip, i, name}, {sv ? t.detach() : t});
+          run.transport->send(j, -1, Key{Key::Skip, i, name}, {cut ? t.detach() : t});
         },
         [&](const std::string& name) {
           const int64_t from = run.skips.pop(name, i, j);
           at::Tensor t = run.transport->receive(j, Key{Key::Skip, i, name})[0];
-          if (sv && from == j) {
+          if (cut && from == j) {
             // Stashed and popped by this stage: no boundary for the gradient to cross.
             t = own.at(name);
             sv->stashed.erase(name);
-          } else if (sv) {
+          } else if (cut) {
             t = leaf(t, true);
             sv->popped[name] = t;
             sv->popped_from[name] = from;
@@ -210,11 +213,26 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   if (sv && !ckpt) sv->outputs = out;
   if (sv) sv->nodes = ChunkNodes{first_node, ChunkNodes::now()};
   span.reset();
-  if (sv) {
+  if (cut) {
     for (auto& t : out) t = t.detach();
   }
   run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
+
+// Note [One item, one graph]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A training step of one item (constant_train_step with one micro-batch and
+// one chunk of all T steps, the default on one device) has nothing to
+// overlap: every stage's backward waits for the next one's. Cutting its graph
+// at each stage boundary then only costs: per boundary, a detach of the
+// output and one of the input, the leaf's AccumulateGrad and the read of its
+// gradient; per stage, an engine run with its own start and final sync. So
+// when every stage is on one device, in one process, and nothing is
+// checkpointed or recorded, the run keeps one graph (Run::whole_graph): the
+// stages hand on their outputs as they are, and the last stage's backward
+// runs the whole graph once, from the loss; the other stages' backwards do
+// nothing. The engine runs the same nodes in the same order as a plain
+// model's backward, so results are unchanged.
 
 // Note [Checkpointed time steps]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -285,6 +303,17 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   const StagePlace& stage = place(j);
   const bool last = j + 1 == n_total();
   Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
+  if (run.whole_graph) {  // Note [One item, one graph]: the last stage's runs every stage's
+    if (last) {
+      c10::OptionalStreamGuard stream_guard(stage.compute);
+      MicroBatchGuard micro_batch(call.micro_batch_of(i));
+      BackwardScope backward_scope;  // Note [Backward on the worker's thread]
+      const at::Tensor loss = sv.outputs.at(0);
+      if (loss.requires_grad()) torch::autograd::backward({loss});
+    }
+    sv = Run::Saved{};
+    return;
+  }
   Tensors grads;
   if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
 

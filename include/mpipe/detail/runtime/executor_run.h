@@ -84,6 +84,7 @@ struct Executor::Run {
   std::vector<std::unique_ptr<CastGrads>> cast_grads;  // [stage]: Note [Cast gradients per step]
   std::vector<ChunkChain> chains;                      // [stage], chained calls
   std::set<const torch::autograd::Node*> stops;        // chained: the caller's inputs' nodes
+  bool whole_graph = false;  // one graph, no cuts at stage boundaries (Note [One item, one graph])
 
   std::mutex mutex;  // guards what follows
   std::atomic<bool> failed{false};
