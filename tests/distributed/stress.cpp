@@ -231,14 +231,21 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       const int64_t call = st.pick(0, 2);
       auto chunk_arg = p.kind == Kind::MultiStep ? std::optional<int64_t>(chunk)
                                                   : std::optional<int64_t>();
+      // Micro-batches over time: the pipeline's choice, rows, or a count.
+      std::optional<mpipe::Split> split;
+      const int64_t split_kind = st.pick(0, 2);
+      if (split_kind == 1) split = mpipe::Split(st.pick(1, rows));
+      if (split_kind == 2) split = mpipe::chunks(st.pick(1, 3));
+      const std::string split_name =
+          split ? c10::str(" split ", split->name(), " ", split->value()) : std::string();
       const char* kind_name = p.kind == Kind::MultiStep ? "multi-step" : "single-step";
       if (call == 0) {
         const bool reduce = st.pick(0, 1) == 1;
         what = c10::str("call ", index, ": constant_forward ", kind_name, " T ", T, " chunk ",
-                        chunk, reduce ? " reduced" : "");
+                        chunk, split_name, reduce ? " reduced" : "");
         torch::NoGradGuard no_grad;
         const at::Tensor out = p.pipe->constant_forward(first ? x : at::Tensor(), T, reduce,
-                                                        chunk_arg);
+                                                        chunk_arg, split);
         p.reset();
         if (!inject && last) {
           const at::Tensor steps = p.plain_steps(x.unsqueeze(0).expand({T, rows, 6}));
@@ -248,10 +255,10 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       } else if (call == 1) {
         const at::Tensor seq = st.tensor({T, rows, 6}, 3.0);
         what = c10::str("call ", index, ": sequence_forward ", kind_name, " T ", T, " chunk ",
-                        chunk);
+                        chunk, split_name);
         torch::NoGradGuard no_grad;
         const at::Tensor out = p.pipe->sequence_forward(first ? seq : at::Tensor(), false,
-                                                        chunk_arg);
+                                                        chunk_arg, split);
         p.reset();
         if (!inject && last && !st.close(out, p.plain_steps(seq))) {
           st.fail(what + ": outputs differ");
@@ -259,10 +266,10 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       } else {
         const at::Tensor y = st.tensor({rows, 6});
         what = c10::str("call ", index, ": constant_train_step ", kind_name, " T ", T, " chunk ",
-                        chunk);
+                        chunk, split_name);
         const at::Tensor loss = p.pipe->constant_train_step(first ? x : at::Tensor(), T,
                                                             last ? y : at::Tensor(), mse,
-                                                            chunk_arg);
+                                                            chunk_arg, split);
         if (!inject) {
           const at::Tensor want = mse(step_sum(p.plain_steps(x.unsqueeze(0).expand({T, rows, 6}))), y);
           want.backward();
