@@ -314,9 +314,13 @@ TEST(TimeMicroBatches, ErrorsNameTheMicroBatchAndStepsAndThePipelineStaysUsable)
   auto bad = st.pipeline(0, ModelPipelineOptions().time_micro_batches(-1));
   MPIPE_EXPECT_ERROR(bad->constant_forward(x, 4), "ModelPipelineOptions::time_micro_batches",
                      "got -1");
-  // A split with no batched input to cut.
+  // A split with no batched input to cut; the options' default leaves such a
+  // call whole.
   MPIPE_EXPECT_ERROR(pipe->constant_forward({mpipe::unbatched(x)}, 4, true, std::nullopt, Split(2)),
                      "constant_forward", "needs a batched input");
+  mpipe::reset_states(*pipe);
+  auto by_options = st.pipeline(0, ModelPipelineOptions().time_micro_batches(2));
+  EXPECT_EQ(by_options->constant_forward({mpipe::unbatched(x)}, 4)[0].size(0), 5);
 }
 
 // On the GPU (stages on cuda:0, streams): eager and from CUDA graphs, whose
@@ -455,4 +459,134 @@ TEST(TimeMicroBatches, CheckpointingRecomputesEachMicroBatchOnceOnEveryStageButT
   pipe->append(st.single[2], "cpu");
   MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, T, target, loss_fn),
                      "constant_train_step", "stage 0 holds a stateful module without state snapshots");
+  // ...only where it would be recomputed: not on the last stage, and not with
+  // ExceptLast and one micro-batch.
+  ModelPipeline last(ModelPipelineOptions().checkpoint(mpipe::Checkpoint::Always));
+  last->append(st.single[0], "cpu");
+  last->append(leaky, "cpu");
+  EXPECT_TRUE(last->constant_train_step(x, T, target, loss_fn).defined());
+  pipe->options.checkpoint(mpipe::Checkpoint::ExceptLast);
+  EXPECT_TRUE(pipe->constant_train_step(x, T, target, loss_fn).defined());
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, T, target, loss_fn, std::nullopt, Split(3)),
+                     "stage 0 holds a stateful module without state snapshots");
+}
+
+namespace {
+/// Stashes its input for a later stage (Note [Skip connections]).
+struct StashImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    mpipe::stash("skip", x);
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+/// Adds half of what an earlier stage stashed.
+struct PopAddImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) { return x + mpipe::pop("skip") * 0.5; }
+};
+TORCH_MODULE(PopAdd);
+}  // namespace
+
+// A skip connection from stage 0 to stage 2 in constant_train_step: one item
+// on one device (one graph, Note [One item, one graph]), the same with its
+// graph cut at the stages (a timeline turns one graph off), and micro-batches
+// x chunks with and without checkpointing, all against the plain loop.
+TEST(TimeMicroBatches, SkipConnectionsInEveryTrainingStepFormEqualThePlainLoop) {
+  Stages st;
+  const int64_t T = 4, N = 5;
+  torch::manual_seed(47);
+  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
+  const auto target = torch::rand({N, 8}, torch::kDouble);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  auto join = [](std::vector<torch::nn::AnyModule> front, const torch::nn::Sequential& base,
+                 std::vector<torch::nn::AnyModule> back) {
+    torch::nn::Sequential seq;
+    for (auto& m : front) seq->push_back(m);
+    for (const auto& m : *base) seq->push_back(m);
+    for (auto& m : back) seq->push_back(m);
+    return seq;
+  };
+  Stash stash;
+  PopAdd pop_add;
+  const std::vector<torch::nn::Sequential> stages{
+      join({}, st.multi[0], {torch::nn::AnyModule(stash)}), join({}, st.multi[1], {}),
+      join({torch::nn::AnyModule(pop_add)}, st.multi[2], {})};
+  struct Form {
+    std::string name;
+    int64_t k;
+    Split split;
+    ModelPipelineOptions options;
+  };
+  const std::vector<Form> forms{
+      {"one item, one graph", T, Split(N), ModelPipelineOptions()},
+      {"one item, cut graph", T, Split(N), ModelPipelineOptions().record_timeline(true)},
+      {"2 rows x 2 steps", 2, Split(2), ModelPipelineOptions()},
+      {"2 rows x 2 steps, inline", 2, Split(2), ModelPipelineOptions().worker_threads(false)},
+      {"2 rows x 2 steps, checkpointed", 2, Split(2),
+       ModelPipelineOptions().checkpoint(mpipe::Checkpoint::Always)},
+      {"2 micro-batches x 4 steps, checkpointed", T, mpipe::chunks(2),
+       ModelPipelineOptions().checkpoint(mpipe::Checkpoint::Always)}};
+  for (const auto& form : forms) {
+    SCOPED_TRACE(form.name);
+    const int64_t rows = rows_of(form.split, N);
+    st.zero();
+    auto xr = x.clone().requires_grad_();
+    const auto loss_ref = loss_fn(plain_loop(stages, form.k, xr, false, T, true, rows), target);
+    loss_ref.backward();
+    for (auto s : stages) mpipe::reset_states(*s);
+    const auto grads_ref = st.grads();
+    const auto x_grad_ref = xr.grad().clone();
+    ModelPipeline pipe(form.options);
+    for (const auto& s : stages) pipe->append(s, "cpu");
+    st.zero();
+    auto xp = x.clone().requires_grad_();
+    const auto loss = pipe->constant_train_step(xp, T, target, loss_fn, form.k, form.split);
+    expect_close(loss, loss_ref, 0.0, "loss");
+    expect_same_grads(st.grads(), grads_ref, 0.0);
+    expect_close(xp.grad(), x_grad_ref, 0.0, "gradient of x");
+  }
+}
+
+namespace {
+/// Fails at its first call while recomputing.
+struct FailRecomputeImpl : torch::nn::Module {
+  bool armed = true;
+  torch::Tensor forward(const torch::Tensor& x) {
+    TORCH_CHECK(!(armed && mpipe::is_recomputing()), "probe failure in the recompute");
+    return x;
+  }
+};
+TORCH_MODULE(FailRecompute);
+}  // namespace
+
+// A failure in a checkpointed micro-batch's recompute names the item that
+// failed (the micro-batch's first, recomputed at its last item's backward),
+// and the pipeline stays usable.
+TEST(TimeMicroBatches, ARecomputeFailureNamesItsOwnItem) {
+  Stages st;
+  FailRecompute probe;
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    probe->armed = true;
+    ModelPipeline pipe(
+        ModelPipelineOptions().worker_threads(threads).checkpoint(mpipe::Checkpoint::Always));
+    pipe->append(st.single[0], "cpu");
+    torch::nn::Sequential middle;
+    for (const auto& m : *st.single[1]) middle->push_back(m);
+    middle->push_back(probe);
+    pipe->append(middle, "cpu");
+    pipe->append(st.single[2], "cpu");
+    const auto x = torch::rand({4, 8}, torch::kDouble);
+    auto loss_fn = [](const torch::Tensor& out, const torch::Tensor&) { return out.mean(); };
+    MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 4, torch::Tensor(), loss_fn, std::nullopt,
+                                                 mpipe::chunks(2)),
+                       "constant_train_step", "stage 1", "recompute of item 4 of 8",
+                       "micro-batch 1 of 2, time step 0 of 4", "probe failure in the recompute");
+    probe->armed = false;
+    EXPECT_TRUE(pipe->constant_train_step(x, 4, torch::Tensor(), loss_fn, std::nullopt,
+                                          mpipe::chunks(2))
+                    .defined());
+  }
 }

@@ -37,8 +37,9 @@ struct ModelPipelineOptions {
   /// mask. See Note [Training runtime]. constant_train_step checkpoints by
   /// micro-batch of its split (ExceptLast: all but the last micro-batch) on
   /// every stage but the last: a checkpointed micro-batch runs all its time
-  /// chunks again at its first backward on the stage, so a stage holds one
-  /// micro-batch's graph at a time (Note [Checkpointed time steps]).
+  /// chunks again at its first backward on the stage, so a stage holds a
+  /// graph only from then to the micro-batch's last backward (Note
+  /// [Checkpointed time steps]).
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::Never;
   /// Capture no-grad forward / constant_forward / sequence_forward calls, and
   /// whole training steps (train_step, constant_train_step: forward and
@@ -117,8 +118,9 @@ struct ModelPipelineOptions {
   /// statistics, SpikingConvBlock in training). 0 (the default) chooses: the
   /// whole batch, except for multi-step stages spread over D devices (or
   /// ranks) whose time chunks give fewer than 2 items per device (T < 2D
-  /// with the default chunk); then about 4 items per device, min(batch,
-  /// ceil(4D / chunks)) micro-batches. Measured: the speed-up depends on the
+  /// with the default chunk), in calls that start from reset state
+  /// (constant_train_step, reset_state_each_call); then about 4 items per
+  /// device, min(batch, ceil(4D / chunks)) micro-batches. Measured: the speed-up depends on the
   /// item count, not on how items are cut, and 4 per device reached 82 % of
   /// the ideal (bench/RESULTS.md). 1 never cuts the batch. See Note
   /// [Micro-batches over time].

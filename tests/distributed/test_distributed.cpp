@@ -441,9 +441,14 @@ TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
     }
     pipe->options.checkpoint(mpipe::Checkpoint::Never);
     // The pipeline's choice: T = 2 steps give 2 chunks, fewer than 2 per
-    // rank, so the batch is cut into about 4 items per rank.
+    // rank, so a call that starts from reset state cuts the batch into about
+    // 4 items per rank; one whose state carries on keeps the whole batch.
     {
       torch::NoGradGuard no_grad;
+      pipe->sequence_forward(group().is_first() ? seq.narrow(0, 0, 2) : at::Tensor(), false);
+      mpipe::reset_states(*pipe);
+      if (group().is_last()) EXPECT_EQ(probe->count, 1) << "state carries: no automatic split";
+      pipe->options.reset_state_each_call(true);
       const int64_t m = std::min(N, (4 * n + 1) / 2), rows = (N + m - 1) / m;
       const at::Tensor short_seq = seq.narrow(0, 0, 2);
       const at::Tensor got = pipe->sequence_forward(group().is_first() ? short_seq : at::Tensor(),
@@ -468,6 +473,7 @@ TEST(Distributed, TimeMicroBatchesEqualAPlainLoopPerMicroBatch) {
       if (group().is_last()) {
         EXPECT_EQ(probe->count, T >= 2 * n ? 1 : std::min(N, (4 * n + T - 1) / T)) << "T = 6";
       }
+      pipe->options.reset_state_each_call(false);
     }
   }
 }

@@ -149,7 +149,10 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
 //
 // The automatic split (time_micro_batches 0, resolve_rows) cuts the batch
 // only for multi-step stages over D > 1 devices whose chunks make fewer than
-// 2 items per device; then into about 4 items per device. Measured on 2 CPU
+// 2 items per device, and only in calls that start from reset state
+// (constant_train_step, reset_state_each_call): state carried on to the next
+// call needs that call's split to be the same, and T may change it. Then
+// into about 4 items per device. Measured on 2 CPU
 // ranks (bench/RESULTS.md, SNN training step, T = 8): the speed-up follows
 // the item count whichever axis makes it (1 x 8 steps, 2 x 4, 4 x 2, 8 x 1
 // items all reach 1.58-1.66x of an ideal 2x; 2 items 1.23-1.33x), and more
@@ -180,14 +183,15 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::pipeline_devices() const {
 
 MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_rows(const char* method,
                                                          const std::optional<Split>& split,
-                                                         int64_t batch, int64_t T,
-                                                         int64_t chunk) const {
+                                                         int64_t batch, int64_t T, int64_t chunk,
+                                                         bool fresh) const {
   if (!split) {
     // The pipeline's choice (Note [Micro-batches over time]): the whole batch,
     // unless multi-step chunks give fewer than 2 items per device; then
-    // about 4 items per device.
+    // about 4 items per device. Only for calls that start from reset state:
+    // state carried from call to call must find the same split.
     const int64_t n_devices = pipeline_devices();
-    if (chunk <= 0 || batch <= 1 || n_devices <= 1) return 0;
+    if (!fresh || chunk <= 0 || batch <= 1 || n_devices <= 1) return 0;
     const int64_t n_chunks = (T + chunk - 1) / chunk;
     if (n_chunks >= 2 * n_devices) return 0;
     const int64_t m = std::min(batch, (4 * n_devices + n_chunks - 1) / n_chunks);
@@ -202,7 +206,7 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_rows(const char* method,
 
 MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
     const char* method, const std::vector<Input>& inputs, int64_t T, int64_t chunk,
-    const std::optional<Split>& split) const {
+    const std::optional<Split>& split, bool fresh) const {
   const int64_t batch = detail::batch_size(method, inputs, 0);
   TORCH_CHECK(T > 0, "mpipe::ModelPipeline::", method,
               ": T (the number of time steps) must be positive, got ", T);
@@ -210,7 +214,7 @@ MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(
   c.n_items = T;
   c.chunk = resolve_chunk(chunk, T);
   c.batch = batch;
-  c.rows = resolve_rows(method, split, batch, T, c.chunk);
+  c.rows = resolve_rows(method, split, batch, T, c.chunk, fresh);
   return c;
 }
 
@@ -223,7 +227,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::constant_forward(const std::vector<
   kind.graphable = graphable_call;
   kind.reset_first = self.options.reset_state_each_call();
   kind.describe = [&] {
-    detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk, split);
+    detail::CallInfo c = constant_call_info("constant_forward", inputs, T, chunk, split,
+                                            self.options.reset_state_each_call());
     c.reduce = reduce;
     return c;
   };
@@ -323,7 +328,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::sequence_forward(const std::vector<
     c.reduce = reduce;
     c.chunk = resolve_chunk(chunk, c.n_items);
     c.batch = detail::batch_size("sequence_forward", inputs, 1);
-    c.rows = resolve_rows("sequence_forward", split, c.batch, c.n_items, c.chunk);
+    c.rows = resolve_rows("sequence_forward", split, c.batch, c.n_items, c.chunk,
+                          self.options.reset_state_each_call());
     return c;
   };
   kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in, const at::Tensor&,

@@ -137,8 +137,10 @@ MPIPE_FUNC int64_t chunk_of(const ModelPipelineImpl& p, const char* method,
 
 /// A time-step call's micro-batch split: the call's, else the options'
 /// count, else empty for the pipeline's choice (Note [Micro-batches over time]).
+/// `batched`: whether the call has a batched input; the options' count
+/// leaves a call without one whole (a split given to the call is refused).
 MPIPE_FUNC std::optional<Split> split_of(const ModelPipelineImpl& p, const char* method,
-                                         std::optional<Split> arg) {
+                                         std::optional<Split> arg, bool batched = true) {
   if (arg) {
     arg->rows(method, 1);  // refuses a value below 1, naming it
     return arg;
@@ -146,8 +148,15 @@ MPIPE_FUNC std::optional<Split> split_of(const ModelPipelineImpl& p, const char*
   TORCH_CHECK(p.options.time_micro_batches() >= 0, "mpipe::ModelPipeline::", method,
               ": ModelPipelineOptions::time_micro_batches must be >= 1, or 0 for the "
               "pipeline's choice, got ", p.options.time_micro_batches());
-  if (p.options.time_micro_batches() == 0) return std::nullopt;
+  if (p.options.time_micro_batches() == 0 || !batched) return std::nullopt;
   return Split::chunks(p.options.time_micro_batches());
+}
+
+MPIPE_FUNC bool any_batched(const std::vector<Input>& inputs) {
+  for (const auto& in : inputs) {
+    if (in.batched) return true;
+  }
+  return false;
 }
 
 }  // namespace detail
@@ -181,7 +190,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>&
     std::optional<Split> split) {
   detail::check_runnable(*this, "constant_forward");
   const int64_t chunk = detail::chunk_of(*this, "constant_forward", time_chunk);
-  const auto micro_batches = detail::split_of(*this, "constant_forward", split);
+  const auto micro_batches =
+      detail::split_of(*this, "constant_forward", split, detail::any_batched(inputs));
   return state_->constant_forward(inputs, T, reduce, chunk, micro_batches, false);
 }
 
@@ -201,7 +211,8 @@ MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>&
     std::optional<Split> split) {
   detail::check_runnable(*this, "sequence_forward");
   const int64_t chunk = detail::chunk_of(*this, "sequence_forward", time_chunk);
-  const auto micro_batches = detail::split_of(*this, "sequence_forward", split);
+  const auto micro_batches =
+      detail::split_of(*this, "sequence_forward", split, detail::any_batched(inputs));
   return state_->sequence_forward(inputs, reduce, chunk, micro_batches, false);
 }
 
@@ -239,7 +250,8 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<I
     std::optional<Split> split) {
   detail::check_runnable(*this, "constant_train_step");
   const int64_t chunk = detail::chunk_of(*this, "constant_train_step", time_chunk);
-  const auto micro_batches = detail::split_of(*this, "constant_train_step", split);
+  const auto micro_batches =
+      detail::split_of(*this, "constant_train_step", split, detail::any_batched(inputs));
   return state_->constant_train_step(inputs, T, target, loss_fn, chunk, micro_batches, false);
 }
 

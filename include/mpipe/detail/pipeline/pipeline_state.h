@@ -173,14 +173,20 @@ struct ModelPipelineImpl::State {
   int64_t pipeline_devices() const;
   /// Rows per micro-batch of a time-step call over a batch of `batch` rows
   /// (0: one micro-batch); `split` empty: the pipeline's choice (Note
-  /// [Micro-batches over time]).
+  /// [Micro-batches over time]), which cuts only calls that start from reset
+  /// state (`fresh`).
   int64_t resolve_rows(const char* method, const std::optional<Split>& split, int64_t batch,
-                       int64_t T, int64_t chunk) const;
+                       int64_t T, int64_t chunk, bool fresh) const;
   /// The description of a call over T time steps of `inputs` (checked).
   detail::CallInfo constant_call_info(const char* method, const std::vector<Input>& inputs,
                                       int64_t T, int64_t chunk,
-                                      const std::optional<Split>& split) const;
-  void check_checkpointable(const char* method) const;
+                                      const std::optional<Split>& split, bool fresh) const;
+  /// check_checkpointable for constant_train_step: the stages it would
+  /// checkpoint (none but the last, and only when a micro-batch is).
+  void check_checkpointable_steps(const detail::CallInfo& info) const;
+  /// Refuses checkpointing of a stage whose stateful modules cannot save
+  /// their state (all stages, or all but the pipeline's last).
+  void check_checkpointable(const char* method, bool except_last = false) const;
 
   // Across processes (Note [Cross-process calls]) ---------------------------
   int64_t pipeline_id = -1;  // on the group, in construction (or first-call) order

@@ -32,17 +32,30 @@ using detail::CallSpec;
 using detail::GraphKey;
 
 
-MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable(const char* method) const {
+MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable(const char* method,
+                                                               bool except_last) const {
+  const int64_t first = executor.first_stage(), last = executor.n_total() - 1;
   for (size_t j = 0; j < stateful.size(); ++j) {
+    const int64_t stage = first + static_cast<int64_t>(j);
+    if (except_last && stage == last) continue;
     for (const auto& m : stateful[j]) {
       TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
-                  ": stage ", j, " holds a stateful module without state snapshots: ", m.name,
+                  ": stage ", stage, " holds a stateful module without state snapshots: ", m.name,
                   ". Checkpointing runs a stage again in backward and must start that module "
                   "from the state its forward saw; implement supports_state_snapshots(), "
                   "save_state() and load_state() (Note [State snapshots] in mpipe/state.h), "
                   "or use Checkpoint::Never");
     }
   }
+}
+
+MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable_steps(
+    const detail::CallInfo& info) const {
+  // By micro-batch, never the last stage (Note [Checkpointed time steps]);
+  // micro-batch 0 is checkpointed whenever any is.
+  const detail::TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
+  if (!detail::checkpointed(self.options.checkpoint(), 0, chunks.micro_batches())) return;
+  check_checkpointable("constant_train_step", /*except_last=*/true);
 }
 
 // train_step ----------------------------------------------------------------
@@ -244,13 +257,11 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
   kind.fresh_state = true;
   kind.graphable = graphable_call;  // x keeps its autograd identity: with gradients, never graphed
   kind.describe = [&] {
-    return constant_call_info("constant_train_step", inputs, T, chunk, split);
+    return constant_call_info("constant_train_step", inputs, T, chunk, split, /*fresh=*/true);
   };
-  kind.check = [&](const detail::CallInfo&, detail::RemoteCall* remote) {
+  kind.check = [&](const detail::CallInfo& info, detail::RemoteCall* remote) {
     detail::check_grad_mode("constant_train_step");
-    if (self.is_training() && self.options.checkpoint() != Checkpoint::Never) {
-      check_checkpointable("constant_train_step");
-    }
+    if (self.is_training()) check_checkpointable_steps(info);
     if (!remote || remote->last()) {
       TORCH_CHECK(static_cast<bool>(loss_fn),
                   "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");

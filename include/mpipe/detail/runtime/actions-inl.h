@@ -245,9 +245,11 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
 // chunks again, in order, from the saved state, each under its own random
 // draws (Note [Random draws]), records each chunk's nodes as its forward
 // would have, and puts the module state back; the chunks' backwards then run
-// as usual. Peak memory is one micro-batch's graph per stage instead of the
-// whole batch's. The last stage is never checkpointed: its outputs of every
-// micro-batch feed the one loss, so it would have to keep them all anyway.
+// as usual. A stage holds a micro-batch's graph only from that recompute to
+// its last backward, one micro-batch at a time (with one micro-batch, the
+// whole batch's graph, but not from its forward on). The last stage is never
+// checkpointed: its outputs of every micro-batch feed the one loss, so it
+// would have to keep them all anyway.
 
 MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
                                                 const char*& phase) {
@@ -287,8 +289,13 @@ MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
           s.stashed.erase(own);
           return t;
         });
+    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
     const uint64_t lo = ChunkNodes::now();
-    s.outputs = (*run.forwards)[local(j)](s.inputs);
+    try {
+      s.outputs = (*run.forwards)[local(j)](s.inputs);
+    } catch (...) {  // named by the chunk that failed, not the backward's
+      throw DescribedFailure{describe_failure(call, phase, j, q)};
+    }
     s.nodes = ChunkNodes{lo, ChunkNodes::now()};
     s.checkpointed = false;
   }
