@@ -124,6 +124,21 @@ torch::Tensor plain_loop(const std::vector<torch::nn::Sequential>& stages, int64
   return sequence ? joined : joined.flatten(0, 1);
 }
 
+/// Rows to feed the stages, a target for the summed spikes, drawn with `seed`.
+struct Problem {
+  torch::Tensor x, target;
+  Problem(int64_t rows, uint64_t seed) {
+    torch::manual_seed(seed);
+    x = torch::rand({rows, 8}, torch::kDouble) * 1.5;
+    target = torch::rand({rows, 8}, torch::kDouble);
+  }
+};
+
+/// The tests' loss: mean squared error.
+torch::Tensor squared_error(const torch::Tensor& out, const torch::Tensor& y) {
+  return (out - y).pow(2).mean();
+}
+
 /// Rows per micro-batch of `split` for a batch of N (as the pipeline reads it).
 int64_t rows_of(const Split& split, int64_t N) { return split.rows("test", N); }
 
@@ -189,12 +204,9 @@ TEST(TimeMicroBatches, ForwardCallsEqualAPlainLoopPerMicroBatch) {
 TEST(TimeMicroBatches, ConstantTrainStepEqualsAPlainLoopPerMicroBatch) {
   Stages st;
   const int64_t T = 5, N = 7;
-  torch::manual_seed(43);
-  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
-  const auto target = torch::rand({N, 8}, torch::kDouble);
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
-    return (out - y).pow(2).mean();
-  };
+  const Problem problem(N, 43);
+  const torch::Tensor &x = problem.x, &target = problem.target;
+  const mpipe::LossFunction loss_fn = squared_error;
   for (int64_t k : {0, 1, 2, 5}) {
     for (const Split& split : {Split(3), mpipe::chunks(2), mpipe::chunks(7), Split(7)}) {
       const int64_t rows = rows_of(split, N);
@@ -334,9 +346,7 @@ TEST(TimeMicroBatches, EqualAPlainLoopOnTheGpuEagerAndGraphed_CUDA) {
   const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kDouble);
   const auto x = torch::rand({N, 64}, opts) * 1.5;
   const auto target = torch::rand({N, 64}, opts);
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
-    return (out - y).pow(2).mean();
-  };
+  const mpipe::LossFunction loss_fn = squared_error;
   for (bool graphs : {false, true}) {
     HostCalls counting;
     ModelPipeline pipe(ModelPipelineOptions().cuda_graphs(graphs));
@@ -394,12 +404,9 @@ TORCH_MODULE(Recount);
 TEST(TimeMicroBatches, CheckpointingRecomputesEachMicroBatchOnceOnEveryStageButTheLast) {
   Stages st;
   const int64_t T = 6, N = 6;
-  torch::manual_seed(45);
-  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
-  const auto target = torch::rand({N, 8}, torch::kDouble);
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
-    return (out - y).pow(2).mean();
-  };
+  const Problem problem(N, 45);
+  const torch::Tensor &x = problem.x, &target = problem.target;
+  const mpipe::LossFunction loss_fn = squared_error;
   struct Run {
     torch::Tensor loss, x_grad;
     std::map<std::string, torch::Tensor> grads;
@@ -494,12 +501,9 @@ TORCH_MODULE(PopAdd);
 TEST(TimeMicroBatches, SkipConnectionsInEveryTrainingStepFormEqualThePlainLoop) {
   Stages st;
   const int64_t T = 4, N = 5;
-  torch::manual_seed(47);
-  const auto x = torch::rand({N, 8}, torch::kDouble) * 1.5;
-  const auto target = torch::rand({N, 8}, torch::kDouble);
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
-    return (out - y).pow(2).mean();
-  };
+  const Problem problem(N, 47);
+  const torch::Tensor &x = problem.x, &target = problem.target;
+  const mpipe::LossFunction loss_fn = squared_error;
   auto join = [](std::vector<torch::nn::AnyModule> front, const torch::nn::Sequential& base,
                  std::vector<torch::nn::AnyModule> back) {
     torch::nn::Sequential seq;

@@ -47,6 +47,7 @@ struct Config {
   int64_t time_steps = 0;  // 0: 8 on GPU, 4 on CPU
   double lr = 0.1;
   double momentum = 0.9;
+  double weight_decay = 0;  // SGD's L2 penalty
   int64_t channels = 128;
   int64_t hidden = 2048;
   std::string eval_path;
@@ -286,7 +287,8 @@ int run(Config cfg) {
   }
 
   torch::optim::SGD opt(pipe->parameters(),
-                        torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
+                        torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(
+                            cfg.weight_decay));
   const int64_t steps_per_epoch = (train.size() + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total_steps = steps_per_epoch * cfg.epochs;
   int64_t step = 0;
@@ -389,6 +391,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "SGD learning rate (cosine-annealed to 0)");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");
+  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay (L2), default 0")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
   app.add_option("--hidden", cfg.hidden, "hidden units of the first linear layer")
       ->check(CLI::PositiveNumber);
