@@ -57,6 +57,7 @@ struct Config {
   // Multi-step stages fed K steps per call; -1: the pipeline's choice on a
   // GPU, single-step stages on the CPU; 0: single-step stages.
   int64_t time_chunk = -1;
+  int64_t micro_batches = 0;  // of the time-step calls; 0: the pipeline's choice
   bool no_augment = false;  // augmentation is on for full runs, off with --quick
   int64_t crop_pad = 0;     // 0: flips only
   bool poisson = false;
@@ -102,6 +103,7 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
                                 .worker_threads(!cfg.common.inline_host)
                                 .step_mode(mode)
                                 .time_chunk(std::max<int64_t>(cfg.time_chunk, 0))
+                                .time_micro_batches(cfg.micro_batches)
                                 .process_group(cfg.group));
   // Every rank builds every stage (the same random draws) and appends its range.
   const std::vector<nn::Sequential> stages{conv1, conv2, fc1, fc2};
@@ -405,6 +407,10 @@ int main(int argc, char** argv) {
                  "multi-step stages fed K time steps per call; 0: single-step stages (default: "
                  "multi-step stages with the pipeline's chunk, all T steps on one GPU; "
                  "single-step stages on the CPU)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--micro-batches", cfg.micro_batches,
+                 "cut each batch of the time-step calls into N micro-batches, each with its own "
+                 "neuron state and batch statistics (default 0: the pipeline's choice)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-augment", cfg.no_augment,
                "no random crops and flips of the training images (always off with --quick)");
