@@ -38,7 +38,7 @@ MPIPE_FUNC Tensors for_caller(Tensors out) {
 /// What a time-step call's items are called in messages (the item's
 /// micro-batch and steps follow its number: TimeChunks::steps_of).
 MPIPE_FUNC const char* item_name(const TimeChunks& chunks) {
-  return chunks.split() ? "item" : chunks.multi() ? "time chunk" : "time step";
+  return chunks.pick("item", "time chunk", "time step");
 }
 }  // namespace detail
 

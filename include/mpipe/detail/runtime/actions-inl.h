@@ -27,6 +27,42 @@
 namespace mpipe {
 namespace detail {
 
+/// For a recompute's lifetime, the stage's module state is the one `before`
+/// saved; then the state of now again (Note [State snapshots]).
+class RecomputedState {
+ public:
+  RecomputedState(const StateSnapshot& before, const std::vector<StatefulModule>* modules)
+      : now_(before.empty() ? StateSnapshot() : StateSnapshot(*modules)) {
+    before.load();
+  }
+  ~RecomputedState() {
+    try {
+      now_.load();
+    } catch (...) {  // an error already on its way is the one to report
+    }
+  }
+  RecomputedState(const RecomputedState&) = delete;
+  RecomputedState& operator=(const RecomputedState&) = delete;
+
+ private:
+  StateSnapshot now_;
+};
+
+/// A recompute's pop(name): the leaf its forward popped from another stage,
+/// or (taken) what the recompute itself stashed.
+inline at::Tensor recompute_pop(const std::map<std::string, at::Tensor>& popped,
+                                std::map<std::string, at::Tensor>& stashed,
+                                const std::string& name) {
+  auto it = popped.find(name);
+  if (it != popped.end()) return it->second;
+  auto own = stashed.find(name);
+  TORCH_CHECK(own != stashed.end(), "pop('", name,
+              "'): the recompute popped a name its forward did not");
+  at::Tensor t = own->second;
+  stashed.erase(own);
+  return t;
+}
+
 // Note [Training runtime]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // train_step cuts the autograd graph at every stage boundary: stage j's
@@ -187,9 +223,8 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     if (call.chained) {
       call.sink(i, std::move(out));
       if (i + 1 == call.n_items) {
-        phase = call.time_chunks.split()   ? "the loss, after item"
-                : call.time_chunks.multi() ? "the loss, after time chunk"
-                                           : "the loss, after time step";
+        phase = call.time_chunks.pick("the loss, after item", "the loss, after time chunk",
+                                      "the loss, after time step");
         at::Tensor loss = call.chain_loss();
         call.losses[static_cast<size_t>(i)] = loss.detach();
         sv->outputs = {loss};
@@ -259,19 +294,9 @@ MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
   const int64_t end = first + call.time_chunks.per_micro_batch();
   auto& saved = run.saved[local(j)];
   StateSnapshot& before = saved[static_cast<size_t>(first)].state_before;
-  phase = call.time_chunks.split()   ? "recompute of item"
-          : call.time_chunks.multi() ? "recompute of time chunk"
-                                     : "recompute of time step";
-  struct Reload {  // the state of now, after the recompute (as in backward_action)
-    StateSnapshot now;
-    ~Reload() {
-      try {
-        now.load();
-      } catch (...) {
-      }
-    }
-  } reload{before.empty() ? StateSnapshot() : StateSnapshot((*call.stateful)[local(j)])};
-  before.load();
+  phase = call.time_chunks.pick("recompute of item", "recompute of time chunk",
+                                "recompute of time step");
+  const RecomputedState state(before, before.empty() ? nullptr : &(*call.stateful)[local(j)]);
   RecomputeGuard recompute;
   for (int64_t q = first; q < end; ++q) {
     Run::Saved& s = saved[static_cast<size_t>(q)];
@@ -279,16 +304,7 @@ MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
     RngScope draws(run.rng, j, q);
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) { s.stashed[name] = std::move(t); },
-        [&](const std::string& name) {
-          auto it = s.popped.find(name);
-          if (it != s.popped.end()) return it->second;
-          auto own = s.stashed.find(name);  // stashed by this stage's recompute
-          TORCH_CHECK(own != s.stashed.end(), "pop('", name,
-                      "'): the recompute popped a name its forward did not");
-          at::Tensor t = own->second;
-          s.stashed.erase(own);
-          return t;
-        });
+        [&](const std::string& name) { return recompute_pop(s.popped, s.stashed, name); });
     CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
     const uint64_t lo = ChunkNodes::now();
     try {
@@ -299,9 +315,8 @@ MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
     s.nodes = ChunkNodes{lo, ChunkNodes::now()};
     s.checkpointed = false;
   }
-  phase = call.time_chunks.split()   ? "backward of item"
-          : call.time_chunks.multi() ? "backward of time chunk"
-                                     : "backward of time step";
+  phase = call.time_chunks.pick("backward of item", "backward of time chunk",
+                                "backward of time step");
 }
 
 MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase,
@@ -335,33 +350,15 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
     phase = "recompute of micro-batch";
     TaskSpan span(call.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
     RngScope draws(run.rng, j, i);  // the forward's draws again (Note [Random draws])
-    // Run from the module state the forward started from, then put back the
-    // state of now (Note [State snapshots]).
-    struct Reload {
-      StateSnapshot now;
-      ~Reload() {
-        try {
-          now.load();
-        } catch (...) {  // an error already on its way is the one to report
-        }
-      }
-    } reload{sv.state_before.empty() ? StateSnapshot()
-                                     : StateSnapshot((*call.stateful)[local(j)])};
-    sv.state_before.load();
+    // Run from the module state the forward started from (Note [State snapshots]).
+    const RecomputedState state(sv.state_before, sv.state_before.empty()
+                                                     ? nullptr
+                                                     : &(*call.stateful)[local(j)]);
     RecomputeGuard recompute;
     CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
-        [&](const std::string& name) {
-          auto it = sv.popped.find(name);
-          if (it != sv.popped.end()) return it->second;
-          auto own = stashed.find(name);  // stashed by this stage's recompute
-          TORCH_CHECK(own != stashed.end(), "pop('", name,
-                      "'): the recompute popped a name its forward did not");
-          at::Tensor t = own->second;
-          stashed.erase(own);
-          return t;
-        });
+        [&](const std::string& name) { return recompute_pop(sv.popped, stashed, name); });
     Tensors out = (*run.forwards)[local(j)](sv.inputs);
     if (last) {
       phase = "loss of micro-batch";

@@ -128,9 +128,8 @@ MPIPE_FUNC bool Executor::run_action(Run& run, const schedules::Op& op) {
   const TimeChunks& chunks = run.call->time_chunks;
   const char* phase = !run.call->training || (run.call->chained && op.kind == OpKind::Forward)
                           ? run.call->item_name
-                      : run.call->chained ? (chunks.split()   ? "backward of item"
-                                             : chunks.multi() ? "backward of time chunk"
-                                                              : "backward of time step")
+                      : run.call->chained ? chunks.pick("backward of item", "backward of time chunk",
+                                                        "backward of time step")
                       : op.kind == OpKind::Forward        ? "forward of micro-batch"
                       : op.kind == OpKind::BackwardWeight ? "weight gradient of micro-batch"
                       : op.kind == OpKind::BackwardInput  ? "input gradient of micro-batch"

@@ -39,6 +39,11 @@ struct TimeChunks {
   /// Micro-batch m's first row and its row count.
   int64_t first_row(int64_t m) const { return split() ? m * rows : 0; }
   int64_t rows_of(int64_t m) const { return split() ? std::min(rows, batch - m * rows) : batch; }
+  /// For messages: `item` with micro-batches, else `chunk` for time chunks,
+  /// else `step`.
+  const char* pick(const char* item, const char* chunk, const char* step) const {
+    return split() ? item : multi() ? chunk : step;
+  }
   /// What item i is beyond its number, for messages: " (time steps a to b
   /// of T)" for a chunk, " (micro-batch m of M, time step t of T)" with
   /// micro-batches; empty for single steps of one batch.
