@@ -21,6 +21,7 @@
 #ifdef MPIPE_BENCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <CLI/CLI.hpp>
@@ -34,6 +35,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,8 @@ struct Config {
   bool memory = true;
   std::string timelines;  // folder for the schedules' timelines (SVG, Chrome trace); empty: none
   std::string profile;    // folder for one profiled call per measurement; empty: none
+  bool count_ops = false;
+  std::string ops_by_name;  // folder for --count-ops' operations by name; empty: none
 };
 
 // --profile: after each measurement, one more call runs under LibTorch's
@@ -86,16 +90,63 @@ void profile_once(const std::function<void()>& fn, const std::function<void()>& 
   }
 }
 
+// --count-ops: the ATen operations one call makes, on every thread (worker
+// threads and autograd's included), nested ones too. A host-side cost that
+// does not depend on the machine's load: on a GPU most of them launch a
+// kernel, so a row that makes more than its plain row pays for each one.
+// With --ops-by-name DIR, each counted call's operations by name go to
+// DIR/<workload>.<n>.txt, n numbered as --profile's traces.
+struct OpCount {
+  std::mutex mutex;
+  int64_t total = 0;
+  bool by_name = false;
+  std::map<std::string, int64_t> names;
+};
+OpCount op_count;
+
+int64_t count_ops(const std::function<void()>& fn) {
+  {
+    std::lock_guard<std::mutex> lock(op_count.mutex);
+    op_count.total = 0;
+    op_count.names.clear();
+  }
+  const auto handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+            std::lock_guard<std::mutex> lock(op_count.mutex);
+            ++op_count.total;
+            if (op_count.by_name) ++op_count.names[f.name()];
+            return nullptr;
+          })
+          .scopes({at::RecordScope::FUNCTION}));
+  fn();
+  at::removeCallback(handle);
+  std::lock_guard<std::mutex> lock(op_count.mutex);
+  if (op_count.by_name && !profiling.dir.empty()) {
+    const std::string path =
+        profiling.dir + "/" + profiling.workload + "." + std::to_string(profiling.n++) + ".txt";
+    std::ofstream out(path);
+    for (const auto& n : op_count.names) out << n.second << " " << n.first << "\n";
+  }
+  return op_count.total;
+}
+
 struct Timer {
   bool cuda;
   int64_t reps, warmup;
   /// Wraps every timed call (an autocast scope per call, as a training loop
   /// opens one per step); empty: none.
   std::function<void(const std::function<void()>&)> around;
+  bool ops = false;  // --count-ops: each "time" is the ATen operations of one call
   double median_ms(const std::function<void()>& call) const {
     const std::function<void()> fn = around ? std::function<void()>([&] { around(call); }) : call;
     for (int64_t i = 0; i < warmup; ++i) fn();
     sync();
+    if (ops) {
+      const auto n = count_ops(fn);
+      sync();
+      return static_cast<double>(n);
+    }
     std::vector<double> ms;
     for (int64_t r = 0; r < reps; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -826,6 +877,10 @@ int main(int argc, char** argv) {
   app.add_flag("--inline", cfg.inline_host, "issue all stages from the caller's thread");
   app.add_option("--profile", cfg.profile,
                  "after each measurement, profile one more call into this folder (Chrome traces)");
+  app.add_flag("--count-ops", cfg.count_ops,
+               "count the ATen operations of one call instead of timing (keys *_ops)");
+  app.add_option("--ops-by-name", cfg.ops_by_name,
+                 "with --count-ops: each call's operations by name into this folder");
   CLI11_PARSE(app, argc, argv);
 
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && mpipe::cuda_device_count() > 0);
@@ -835,7 +890,8 @@ int main(int argc, char** argv) {
     at::globalContext().setAllowTF32CuBLAS(false);
     at::globalContext().setAllowTF32CuDNN(false);
   }
-  const Timer timer{cuda, cfg.reps, cfg.warmup};
+  Timer timer{cuda, cfg.reps, cfg.warmup};
+  timer.ops = cfg.count_ops;
   // The CPU form keeps each workload's shape but shrinks it to run in seconds.
   const bool small = cfg.cpu_sizes;
   auto wanted_name = [&](const std::string& name) {
@@ -847,9 +903,23 @@ int main(int argc, char** argv) {
   results["cpu_sizes"] = cfg.cpu_sizes;
   results["threads"] = !cfg.inline_host;
   results["reps"] = cfg.reps;
-  std::printf("mpipe %s benchmark on %s%s, median of %lld runs (ms)\n", MPIPE_VERSION_STRING,
-              device.str().c_str(), cfg.cpu_sizes ? " (CPU sizes)" : "",
-              static_cast<long long>(cfg.reps));
+  results["count_ops"] = cfg.count_ops;
+  if (cfg.count_ops) {
+    std::printf("mpipe %s benchmark on %s%s, ATen operations per call\n", MPIPE_VERSION_STRING,
+                device.str().c_str(), cfg.cpu_sizes ? " (CPU sizes)" : "");
+  } else {
+    std::printf("mpipe %s benchmark on %s%s, median of %lld runs (ms)\n", MPIPE_VERSION_STRING,
+                device.str().c_str(), cfg.cpu_sizes ? " (CPU sizes)" : "",
+                static_cast<long long>(cfg.reps));
+  }
+  if (!cfg.ops_by_name.empty()) {
+    if (!cfg.count_ops || !cfg.profile.empty()) {
+      std::fprintf(stderr, "--ops-by-name needs --count-ops and no --profile\n");
+      return 2;
+    }
+    cfg.profile = cfg.ops_by_name;  // the same folder and numbering
+    op_count.by_name = true;
+  }
   if (!cfg.profile.empty()) std::filesystem::create_directories(cfg.profile);
   profiling.dir = cfg.profile;
   auto wanted = [&](const std::string& name) {
@@ -857,7 +927,27 @@ int main(int argc, char** argv) {
     profiling.n = 0;
     return wanted_name(name);
   };
-  auto report = [&](const std::string& name, const json& r) {
+  // Counted rows keep the counts as "<row>_ops" (the overhead workload's µs
+  // rows, which scale ms by 1000, scaled back: its per-task rows become
+  // operations per task) and the ratios to the plain loop; TFLOP/s and the
+  // like mean nothing there.
+  auto counted = [](const json& r) {
+    json out;
+    auto ends = [](const std::string& key, const std::string& tail) {
+      return key.size() > tail.size() &&
+             key.compare(key.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    for (auto it = r.begin(); it != r.end(); ++it) {
+      const std::string& key = it.key();
+      const std::string stem = key.substr(0, key.size() - 3);
+      if (ends(key, "_ms")) out[stem + "_ops"] = *it;
+      if (ends(key, "_us")) out[stem + "_ops"] = it->get<double>() / 1e3;
+      if (ends(key, "_to_plain")) out[key] = *it;
+    }
+    return out;
+  };
+  auto report = [&](const std::string& name, const json& measured) {
+    const json r = cfg.count_ops && measured.is_object() ? counted(measured) : measured;
     results["workloads"][name] = r;
     std::printf("%-11s %s\n", name.c_str(), r.dump().c_str());
     std::fflush(stdout);

@@ -20,6 +20,46 @@ foreach(w snn-1024 snn-256)
   string(JSON ms GET "${text}" workloads ${w} mpipe_constant_train_ms)
 endforeach()
 message(STATUS "bench smoke OK: snn-256 mpipe_constant_train_ms = ${ms}")
+# A guard that does not depend on the machine's load: the ATen operations of
+# one call (--count-ops) beside the plain call of the same stages. At the time
+# of writing (LibTorch 1.13, bench/RESULTS.md): forward adds 0.03 operations per
+# task to the plain loop, train_step 6.0 (the cuts' detaches and leaf
+# gradients, the loss's weight); snn-256's chunk = T calls add 3 per time step
+# (the CPU sums a chunk's steps one at a time: a select and an add each) and
+# a few per call.
+execute_process(COMMAND ${BENCH} --device cpu --count-ops --only overhead,snn-256 --warmup 1
+                        --json ${OUT}.ops RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "mpipe_bench --count-ops exited with ${rc}")
+endif()
+file(READ ${OUT}.ops ops_text)
+string(JSON fwd_added GET "${ops_text}" workloads overhead forward_inline_added_per_task_ops)
+string(JSON train_added GET "${ops_text}" workloads overhead train_step_inline_added_per_task_ops)
+string(JSON threads_added GET "${ops_text}" workloads overhead train_step_threads_added_per_task_ops)
+message(STATUS "bench smoke: operations added per task: forward ${fwd_added}, train_step "
+               "${train_added} (with threads ${threads_added})")
+if(fwd_added GREATER 1 OR train_added GREATER 8 OR NOT threads_added STREQUAL train_added)
+  message(FATAL_ERROR "the pipeline's ATen operations per task grew: forward ${fwd_added} "
+                      "(bound 1), train_step ${train_added} (bound 8), with threads "
+                      "${threads_added} (must equal inline)")
+endif()
+# snn-256's rows: <plain row>:<mpipe row>:<bound on the difference>.
+foreach(rows "fwd:constant_fwd:200" "train:constant_train_step:208")  # 3 T + 8, 3 T + 16; T = 64
+  string(REPLACE ":" ";" parts "${rows}")
+  list(GET parts 0 plain_row)
+  list(GET parts 1 piped_row)
+  list(GET parts 2 bound)
+  string(JSON plain GET "${ops_text}" workloads snn-256 plain_multistep_${plain_row}_ops)
+  string(JSON piped GET "${ops_text}" workloads snn-256 mpipe_chunk64_${piped_row}_ops)
+  string(REGEX REPLACE "\\.0*$" "" plain "${plain}")  # counts, written as JSON numbers
+  string(REGEX REPLACE "\\.0*$" "" piped "${piped}")
+  math(EXPR added "${piped} - ${plain}")
+  message(STATUS "bench smoke: snn-256 chunk = T ${piped_row}: ${piped} operations, plain ${plain}")
+  if(added GREATER bound)
+    message(FATAL_ERROR "snn-256's chunk = T ${piped_row} makes ${added} ATen operations more "
+                        "than the plain multi-step call (bound ${bound})")
+  endif()
+endforeach()
 # A guard on the runtime's hot path: each call kind's time against the plain
 # loop of the same stage calls (4 stages of Linear(4, 4), 8 one-row
 # micro-batches). On the CPU the ratios are 1.3 to 3 (bench/RESULTS.md); a

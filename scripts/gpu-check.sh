@@ -17,6 +17,8 @@
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
 # lm = the transformer language model through the pipeline, then --plain (data
 # from .devdata/fortunes, extra flags in MPIPE_LM_FLAGS; loss curves come back);
+# ops = mpipe_bench --count-ops (the ATen operations of one call per row, on
+# the GPU's code paths) of $MPIPE_OPS_ONLY, by name in ops.tar.gz;
 # headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
 # build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER); consumers = the four
 # consumer tests; compiletime = scripts/compile-time.sh (compile-time.txt). Logs go to
@@ -123,6 +125,12 @@ if [[ " $steps " == *" bench "* ]]; then
     step compare bash -o pipefail -c "python3 bench/compare.py '$out/mpipe_bench.json' \
       '$out/seed_bench.json' | tee '$out/compare.md'"
   fi
+fi
+if [[ " $steps " == *" ops "* ]]; then
+  step ops bash -o pipefail -c "'$bin/bench/mpipe_bench' --count-ops --warmup 2 \
+    --only '${MPIPE_OPS_ONLY:-overhead,narrow-mlp,snn-1024,snn-256}' --ops-by-name /tmp/mpipe-ops \
+    --json '$out/ops.json' 2>&1 | tee -a '$log'"
+  [ -d /tmp/mpipe-ops ] && tar -czf "$out/ops.tar.gz" -C /tmp mpipe-ops
 fi
 if [[ " $steps " == *" bf16 "* ]]; then
   # bf16 rows (issue 15): wide-mlp under autocast and with bf16 weights, the
