@@ -12,9 +12,11 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -113,6 +115,79 @@ void set_cosine_lr(torch::optim::Optimizer& opt, double base_lr, int64_t step,
                                   static_cast<double>(std::max<int64_t>(total_steps, 1))));
   for (auto& group : opt.param_groups()) static_cast<Options&>(group.options()).lr(lr);
 }
+
+// Note [Averaged weights]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A model that still moves step to step, and overfits late in training, ends
+// where its last steps left it: its final accuracy is one noisy sample of
+// the last epochs. An exponential moving average of the weights, evaluated
+// instead of them, averages that noise out. BatchNorm's running statistics
+// are averaged too (they belong to the weights they were measured with);
+// integer buffers (the batch count) are copied. Early on the average follows
+// the weights closely: its decay is min(decay, (1 + n) / (10 + n)) after n
+// updates, so the first epochs' evaluations are not of the initial weights.
+// Across processes each rank averages its own stages.
+
+/// An exponential moving average of a module's parameters and floating-point
+/// buffers, on their devices (Note [Averaged weights]).
+class WeightAverage {
+ public:
+  WeightAverage(const torch::nn::Module& module, double decay) : decay_(decay) {
+    if (!(decay > 0 && decay < 1)) {
+      throw std::invalid_argument("the weight average's decay must be in (0, 1), got " +
+                                  std::to_string(decay));
+    }
+    live_ = module.parameters();
+    for (const auto& b : module.buffers()) live_.push_back(b);
+    torch::NoGradGuard no_grad;
+    for (const auto& t : live_) average_.push_back(t.detach().clone());
+  }
+
+  /// After each optimizer step.
+  void update() {
+    torch::NoGradGuard no_grad;
+    ++updates_;
+    const double d = std::min(decay_, (1.0 + updates_) / (10.0 + updates_));
+    for (size_t k = 0; k < live_.size(); ++k) {
+      if (live_[k].is_floating_point()) {
+        average_[k].lerp_(live_[k], 1 - d);
+      } else {
+        average_[k].copy_(live_[k]);
+      }
+    }
+  }
+
+  /// While it lives, the module holds the average (for evaluation and saving);
+  /// its own weights come back at the end.
+  class Applied {
+   public:
+    explicit Applied(WeightAverage* avg) : avg_(avg) {
+      if (avg_) avg_->swap();
+    }
+    ~Applied() {
+      if (avg_) avg_->swap();
+    }
+    Applied(const Applied&) = delete;
+    Applied& operator=(const Applied&) = delete;
+
+   private:
+    WeightAverage* avg_;
+  };
+
+ private:
+  void swap() {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < live_.size(); ++k) {
+      const auto held = live_[k].clone();
+      live_[k].copy_(average_[k]);
+      average_[k].copy_(held);
+    }
+  }
+
+  double decay_;
+  int64_t updates_ = 0;
+  std::vector<torch::Tensor> live_, average_;
+};
 
 /// Flags every training example takes.
 struct CommonFlags {

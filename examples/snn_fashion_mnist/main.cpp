@@ -48,6 +48,7 @@ struct Config {
   double lr = 0.1;
   double momentum = 0.9;
   double weight_decay = 0;  // SGD's L2 penalty
+  double ema = 0;           // decay of the evaluated weight average; 0: the weights themselves
   int64_t channels = 128;
   int64_t hidden = 2048;
   std::string eval_path;
@@ -265,7 +266,7 @@ int run(Config cfg) {
   }
   auto pipe = build_model(cfg, devices);
   std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s%s, T=%lld, %lld train / %lld test "
-              "images, batch %lld, channels %lld, hidden %lld, %s FC neurons, %s, %s, %s, %s%s\n",
+              "images, batch %lld, channels %lld, hidden %lld, %s FC neurons, %s, %s, %s, %s%s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
               cfg.group.defined() ? (" across " + std::to_string(cfg.group.world_size()) +
                                      " processes").c_str()
@@ -278,7 +279,9 @@ int run(Config cfg) {
               cfg.poisson ? "Poisson frames" : "image held for T steps",
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
                          : "no augmentation",
-              cfg.precision.c_str(), common.quick ? " (quick)" : "");
+              cfg.precision.c_str(),
+              cfg.ema > 0 ? (", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")").c_str() : "",
+              common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
     torch::load(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
@@ -291,6 +294,9 @@ int run(Config cfg) {
   torch::optim::SGD opt(pipe->parameters(),
                         torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(
                             cfg.weight_decay));
+  // --ema: the average is what is evaluated and saved (Note [Averaged weights]).
+  std::unique_ptr<examples::WeightAverage> average;
+  if (cfg.ema > 0) average = std::make_unique<examples::WeightAverage>(*pipe, cfg.ema);
   const int64_t steps_per_epoch = (train.size() + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total_steps = steps_per_epoch * cfg.epochs;
   int64_t step = 0;
@@ -338,13 +344,17 @@ int run(Config cfg) {
       }
       if (recorded) examples::end_recorded_step(pipe, common);
       opt.step();
+      if (average) average->update();
       if (loss.defined()) loss_sum += loss * n;
     }
     const double mean_loss = loss_sum.item<double>() / train.size();
     const double train_acc = static_cast<double>(correct.item<int64_t>()) / train.size();
     const double epoch_train_s = examples::seconds_since(t_epoch);
     train_seconds += epoch_train_s;
-    last = evaluate(pipe, test, cfg);
+    {
+      const examples::WeightAverage::Applied averaged(average.get());
+      last = evaluate(pipe, test, cfg);
+    }
     train_curve.push_back(train_acc);
     test_curve.push_back(last);
     if (last > best) {
@@ -360,7 +370,10 @@ int run(Config cfg) {
   std::filesystem::create_directories(common.out);
   std::string path = common.out + "/snn_fashion_mnist.pt";
   if (cfg.group.defined()) path = cfg.group.rank_path(path);  // each rank its stages
-  torch::save(pipe, path);
+  {
+    const examples::WeightAverage::Applied averaged(average.get());
+    torch::save(pipe, path);
+  }
   if (!report) {
     std::printf("weights of this rank's stages saved to %s\n", path.c_str());
     return 0;
@@ -393,6 +406,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "SGD learning rate (cosine-annealed to 0)");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");
+  app.add_option("--ema", cfg.ema,
+                 "evaluate and save an exponential moving average of the weights with this "
+                 "decay (e.g. 0.999); 0, the default: the weights themselves")
+      ->check(CLI::Range(0.0, 0.999999));
   app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay (L2), default 0")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
