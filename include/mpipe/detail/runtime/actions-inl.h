@@ -91,6 +91,26 @@ inline at::Tensor recompute_pop(const std::map<std::string, at::Tensor>& popped,
 // step, so the returned loss does not depend on the schedule. Nothing is
 // checkpointed in eval mode.
 
+/// One graph (Note [One item, one graph]): hooks on stage j's outputs that
+/// record, as the backward reaches them, that it has entered stage j. The
+/// lowest stage entered when a node fails is the failing node's: the engine
+/// runs later stages' nodes first. The caller's own tensors (a stage that
+/// returns its input) get no hook.
+inline void mark_stage_entered(const CallSpec& call, const Tensors& out, int64_t j,
+                               const std::shared_ptr<std::atomic<int64_t>>& entered) {
+  for (const auto& t : out) {
+    if (!t.requires_grad() || t.is_leaf()) continue;
+    bool callers = false;
+    for (const auto& c : call.caller_tensors) callers |= c.is_same(t);
+    if (callers) continue;
+    t.register_hook([entered, j](const at::Tensor&) {
+      int64_t now = entered->load();
+      while (j < now && !entered->compare_exchange_weak(now, j)) {
+      }
+    });
+  }
+}
+
 MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
   CallSpec& call = *run.call;
   const StagePlace& stage = place(j);
@@ -250,6 +270,8 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   span.reset();
   if (cut) {
     for (auto& t : out) t = t.detach();
+  } else if (run.entered) {
+    mark_stage_entered(call, out, j, run.entered);
   }
   run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
@@ -267,7 +289,9 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
 // stages hand on their outputs as they are, and the last stage's backward
 // runs the whole graph once, from the loss; the other stages' backwards do
 // nothing. The engine runs the same nodes in the same order as a plain
-// model's backward, so results are unchanged.
+// model's backward, so results are unchanged. A node that fails is still
+// named by its stage: hooks on each stage's outputs record the lowest stage
+// the backward has entered (mark_stage_entered).
 
 // Note [Checkpointed time steps]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -331,7 +355,11 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
       MicroBatchGuard micro_batch(call.micro_batch_of(i));
       BackwardScope backward_scope;  // Note [Backward on the worker's thread]
       const at::Tensor loss = sv.outputs.at(0);
-      if (loss.requires_grad()) torch::autograd::backward({loss});
+      try {
+        if (loss.requires_grad()) torch::autograd::backward({loss});
+      } catch (...) {  // named by the stage whose node failed, not the last
+        throw DescribedFailure{describe_failure(call, phase, run.entered->load(), i)};
+      }
     }
     sv = Run::Saved{};
     return;
