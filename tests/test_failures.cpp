@@ -223,7 +223,7 @@ std::vector<CallKind> call_kinds() {
   kinds.push_back({"constant_train_step", true, T, true, Schedule::GPipe,
                    [=](ModelPipeline& p) { return p->constant_train_step(x, T, target, mse); },
                    warm_time});
-  // One item: its backward runs as one graph (Note [One item, one graph]).
+  // One item: one forward and one backward per stage.
   kinds.push_back({"constant_train_step of one step", true, 1, true, Schedule::GPipe,
                    [=](ModelPipeline& p) { return p->constant_train_step(x, 1, target, mse); },
                    warm_time});

@@ -495,9 +495,8 @@ TORCH_MODULE(PopAdd);
 }  // namespace
 
 // A skip connection from stage 0 to stage 2 in constant_train_step: one item
-// on one device (one graph, Note [One item, one graph]), the same with its
-// graph cut at the stages (a timeline turns one graph off), and micro-batches
-// x chunks with and without checkpointing, all against the plain loop.
+// (threaded, inline and recorded) and micro-batches x chunks with and without
+// checkpointing, all against the plain loop.
 TEST(TimeMicroBatches, SkipConnectionsInEveryTrainingStepFormEqualThePlainLoop) {
   Stages st;
   const int64_t T = 4, N = 5;
@@ -524,8 +523,9 @@ TEST(TimeMicroBatches, SkipConnectionsInEveryTrainingStepFormEqualThePlainLoop) 
     ModelPipelineOptions options;
   };
   const std::vector<Form> forms{
-      {"one item, one graph", T, Split(N), ModelPipelineOptions()},
-      {"one item, cut graph", T, Split(N), ModelPipelineOptions().record_timeline(true)},
+      {"one item", T, Split(N), ModelPipelineOptions()},
+      {"one item, inline", T, Split(N), ModelPipelineOptions().worker_threads(false)},
+      {"one item, recorded", T, Split(N), ModelPipelineOptions().record_timeline(true)},
       {"2 rows x 2 steps", 2, Split(2), ModelPipelineOptions()},
       {"2 rows x 2 steps, inline", 2, Split(2), ModelPipelineOptions().worker_threads(false)},
       {"2 rows x 2 steps, checkpointed", 2, Split(2),

@@ -91,26 +91,6 @@ inline at::Tensor recompute_pop(const std::map<std::string, at::Tensor>& popped,
 // step, so the returned loss does not depend on the schedule. Nothing is
 // checkpointed in eval mode.
 
-/// One graph (Note [One item, one graph]): hooks on stage j's outputs that
-/// record, as the backward reaches them, that it has entered stage j. The
-/// lowest stage entered when a node fails is the failing node's: the engine
-/// runs later stages' nodes first. The caller's own tensors (a stage that
-/// returns its input) get no hook.
-inline void mark_stage_entered(const CallSpec& call, const Tensors& out, int64_t j,
-                               const std::shared_ptr<std::atomic<int64_t>>& entered) {
-  for (const auto& t : out) {
-    if (!t.requires_grad() || t.is_leaf()) continue;
-    bool callers = false;
-    for (const auto& c : call.caller_tensors) callers |= c.is_same(t);
-    if (callers) continue;
-    t.register_hook([entered, j](const at::Tensor&) {
-      int64_t now = entered->load();
-      while (j < now && !entered->compare_exchange_weak(now, j)) {
-      }
-    });
-  }
-}
-
 MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
   CallSpec& call = *run.call;
   const StagePlace& stage = place(j);
@@ -135,10 +115,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
       (call.chained ? !last && checkpointed(call.checkpoint, call.time_chunks.micro_batch(i),
                                             call.time_chunks.micro_batches())
                     : checkpointed(call.checkpoint, i, call.n_items));
-  // Where the graph is cut at this stage's boundary: not in one graph (Note
-  // [One item, one graph]).
-  Run::Saved* const cut = run.whole_graph ? nullptr : sv;
-  if (cut) {
+  if (sv) {
     sv->checkpointed = ckpt;
     if (!(call.chained && j == 0)) {  // chained: the caller's graph is the chain's
       for (size_t k = 0; k < in.size(); ++k) {
@@ -161,20 +138,20 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) {
           run.skips.stash(name, i, j);
-          if (cut) {
+          if (sv) {
             own[name] = t;
             if (!ckpt) sv->stashed[name] = t;
           }
-          run.transport->send(j, -1, Key{Key::Skip, i, name}, {cut ? t.detach() : t});
+          run.transport->send(j, -1, Key{Key::Skip, i, name}, {sv ? t.detach() : t});
         },
         [&](const std::string& name) {
           const int64_t from = run.skips.pop(name, i, j);
           at::Tensor t = run.transport->receive(j, Key{Key::Skip, i, name})[0];
-          if (cut && from == j) {
+          if (sv && from == j) {
             // Stashed and popped by this stage: no boundary for the gradient to cross.
             t = own.at(name);
             sv->stashed.erase(name);
-          } else if (cut) {
+          } else if (sv) {
             t = leaf(t, true);
             sv->popped[name] = t;
             sv->popped_from[name] = from;
@@ -268,30 +245,11 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   if (sv && !ckpt) sv->outputs = out;
   if (sv) sv->nodes = ChunkNodes{first_node, ChunkNodes::now()};
   span.reset();
-  if (cut) {
+  if (sv) {
     for (auto& t : out) t = t.detach();
-  } else if (run.entered) {
-    mark_stage_entered(call, out, j, run.entered);
   }
   run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
-
-// Note [One item, one graph]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A training step of one item (constant_train_step with one micro-batch and
-// one chunk of all T steps, the default on one device) has nothing to
-// overlap: every stage's backward waits for the next one's. Cutting its graph
-// at each stage boundary then only costs: per boundary, a detach of the
-// output and one of the input, the leaf's AccumulateGrad and the read of its
-// gradient; per stage, an engine run with its own start and final sync. So
-// when every stage is on one device, in one process, and nothing is
-// checkpointed or recorded, the run keeps one graph (Run::whole_graph): the
-// stages hand on their outputs as they are, and the last stage's backward
-// runs the whole graph once, from the loss; the other stages' backwards do
-// nothing. The engine runs the same nodes in the same order as a plain
-// model's backward, so results are unchanged. A node that fails is still
-// named by its stage: hooks on each stage's outputs record the lowest stage
-// the backward has entered (mark_stage_entered).
 
 // Note [Checkpointed time steps]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -349,21 +307,6 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   const StagePlace& stage = place(j);
   const bool last = j + 1 == n_total();
   Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
-  if (run.whole_graph) {  // Note [One item, one graph]: the last stage's runs every stage's
-    if (last) {
-      c10::OptionalStreamGuard stream_guard(stage.compute);
-      MicroBatchGuard micro_batch(call.micro_batch_of(i));
-      BackwardScope backward_scope;  // Note [Backward on the worker's thread]
-      const at::Tensor loss = sv.outputs.at(0);
-      try {
-        if (loss.requires_grad()) torch::autograd::backward({loss});
-      } catch (...) {  // named by the stage whose node failed, not the last
-        throw DescribedFailure{describe_failure(call, phase, run.entered->load(), i)};
-      }
-    }
-    sv = Run::Saved{};
-    return;
-  }
   Tensors grads;
   if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
 

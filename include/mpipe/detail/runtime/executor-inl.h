@@ -242,12 +242,6 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
       for (int64_t j = 0; j < n_local; ++j) run->cast_grads.push_back(std::make_unique<CastGrads>());
     }
   }
-  if (call.chained && call.n_items == 1 && !call.remote && !call.recorder &&
-      !checkpointed(call.checkpoint, 0, 1)) {  // Note [One item, one graph] (actions-inl.h)
-    run->whole_graph = true;
-    for (const auto& s : stages_) run->whole_graph &= s.device == stages_.front().device;
-    if (run->whole_graph) run->entered = std::make_shared<std::atomic<int64_t>>(n_stages - 1);
-  }
   if (call.chained) {
     run->chains.resize(static_cast<size_t>(n_local));
     for (const auto& t : call.caller_tensors) {

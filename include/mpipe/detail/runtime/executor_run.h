@@ -84,11 +84,6 @@ struct Executor::Run {
   std::vector<std::unique_ptr<CastGrads>> cast_grads;  // [stage]: Note [Cast gradients per step]
   std::vector<ChunkChain> chains;                      // [stage], chained calls
   std::set<const torch::autograd::Node*> stops;        // chained: the caller's inputs' nodes
-  bool whole_graph = false;  // one graph, no cuts at stage boundaries (Note [One item, one graph])
-  // One graph: the lowest stage whose outputs' gradients the backward has
-  // made, so a failing node is named by its stage (set by hooks that may
-  // outlive the call, hence shared).
-  std::shared_ptr<std::atomic<int64_t>> entered;
 
   std::mutex mutex;  // guards what follows
   std::atomic<bool> failed{false};
