@@ -465,3 +465,40 @@ TEST(Failures, GraphedCallsFailingInWarmUpOrCapture_CUDA) {
   }
   std::printf("graphed fault injection: %d cases\n", cases);
 }
+
+namespace {
+/// Changes its input in place while `in_place` (README, Restrictions).
+struct InPlaceReluImpl : torch::nn::Module {
+  InPlaceReluImpl() { fc = register_module("fc", torch::nn::Linear(4, 4)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(in_place ? x.relu_() : x.relu()); }
+  torch::nn::Linear fc{nullptr};
+  bool in_place = true;
+};
+TORCH_MODULE(InPlaceRelu);
+}  // namespace
+
+// A stage after the first gets its input in a training step as a leaf that
+// requires grad: an in-place change to it is autograd's error, named by the
+// stage, in train_step and in constant_train_step (one item or several); the
+// pipeline works again once the stage stops doing it.
+TEST(Failures, InPlaceChangesToAStagesInputAreNamedByTheStage) {
+  torch::manual_seed(3);
+  torch::nn::Linear first(4, 4);
+  InPlaceRelu second;
+  ModelPipeline pipe;
+  pipe->append(torch::nn::Sequential(first), "cpu");
+  pipe->append(torch::nn::Sequential(second), "cpu");
+  const auto x = torch::randn({6, 4});
+  const auto y = torch::randn({6, 4});
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, 2), "stage 1", "forward of micro-batch 0",
+                     "in-place operation");
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 1, y, mse), "stage 1", "time step 0 of 1",
+                     "in-place operation");
+  MPIPE_EXPECT_ERROR(pipe->constant_train_step(x, 3, y, mse), "stage 1", "time step 0 of 3",
+                     "in-place operation");
+  second->in_place = false;
+  pipe->zero_grad();
+  const auto loss = pipe->train_step(x, y, mse, 6);  // one micro-batch: the plain model's loss
+  const auto plain = mse(second(first(x)), y);
+  expect_close(loss, plain, 0.0, "loss after the stage stopped changing its input");
+}
