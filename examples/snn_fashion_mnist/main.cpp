@@ -274,8 +274,9 @@ int run(Config cfg) {
               static_cast<long long>(cfg.time_steps), static_cast<long long>(train.size()),
               static_cast<long long>(test.size()), static_cast<long long>(cfg.batch_size),
               static_cast<long long>(cfg.channels), static_cast<long long>(cfg.hidden),
-              cfg.fc_neuron == "lif" ? "LIF" : "IF", cfg.time_chunk > 0 ? ("time chunks of " + std::to_string(cfg.time_chunk)).c_str()
-                                 : "single-step stages",
+              cfg.fc_neuron == "lif" ? "LIF" : "IF", cfg.time_chunk > 0   ? ("time chunks of " + std::to_string(cfg.time_chunk)).c_str()
+              : cfg.time_chunk < 0 ? "time chunks of the pipeline's choice"
+                                   : "single-step stages",
               cfg.poisson ? "Poisson frames" : "image held for T steps",
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
                          : "no augmentation",
