@@ -853,3 +853,156 @@ TEST(Encoding, UncheckedPoissonTakesAnyValue) {
   mpipe::snn::PoissonEncoder sj(/*checked=*/false);
   EXPECT_EQ(sj(x).sizes(), x.sizes());
 }
+
+// snn::Dropout (SpikingJelly's layer.Dropout): out = x * m / (1 - p), m ~
+// Bernoulli(1 - p) drawn once per micro-batch and held until a reset.
+TEST(SnnDropout, OneMaskForEveryStepUntilReset) {
+  using mpipe::snn::Dropout;
+  using mpipe::snn::DropoutOptions;
+  using mpipe::snn::StepMode;
+  const int64_t N = 8, F = 500;
+  const auto ones = torch::ones({N, F}, torch::kDouble);
+  torch::manual_seed(21);
+  Dropout single(0.5);
+  const auto first = single(ones);
+  EXPECT_EQ(((first == 0) | (first == 2)).all().item<bool>(), true) << "0 or 1 / (1 - p)";
+  EXPECT_NEAR((first == 0).to(torch::kDouble).mean().item<double>(), 0.5, 0.05);
+  for (int t = 1; t < 5; ++t) EXPECT_TRUE(torch::equal(single(ones * (t + 1)), first * (t + 1))) << "step " << t;
+  ASSERT_EQ(single->masks().size(), 1u);
+  EXPECT_TRUE(single->holds_state());
+  // A reset draws a new mask.
+  EXPECT_EQ(mpipe::reset_states(*single), 1);
+  EXPECT_FALSE(single->holds_state());
+  EXPECT_FALSE(torch::equal(single(ones), first));
+  // Multi-step: the same draw (the mask has the step's shape), on every step of the sequence.
+  torch::manual_seed(21);
+  Dropout multi(DropoutOptions(0.5).step_mode(StepMode::Multi));
+  const auto seq = multi(torch::ones({3, N, F}, torch::kDouble));
+  for (int64_t t = 0; t < 3; ++t) EXPECT_TRUE(torch::equal(seq[t], first)) << "step " << t;
+  EXPECT_TRUE(torch::equal(multi(torch::ones({2, N, F}, torch::kDouble))[1], first)) << "next chunk";
+  // Gradients go through the mask.
+  mpipe::reset_states(*multi);
+  const auto x = torch::rand({4, N, F}, torch::kDouble).requires_grad_();
+  const auto w = torch::rand({4, N, F}, torch::kDouble);
+  (multi(x) * w).sum().backward();
+  expect_close(x.grad(), w * multi->masks()[0].unsqueeze(0), 0.0, "grad of x");
+  // Per micro-batch: each slot its own mask.
+  mpipe::reset_states(*multi);
+  torch::Tensor mb0, mb1;
+  {
+    mpipe::MicroBatchGuard g({0, 2});
+    mb0 = multi(torch::ones({1, N, F}, torch::kDouble));
+  }
+  {
+    mpipe::MicroBatchGuard g({1, 2});
+    mb1 = multi(torch::ones({1, N, F}, torch::kDouble));
+  }
+  EXPECT_EQ(multi->masks().size(), 2u);
+  EXPECT_FALSE(torch::equal(mb0, mb1));
+  // set_step_mode reaches it.
+  torch::nn::Sequential both(Dropout(0.2), IFNode());
+  EXPECT_EQ(mpipe::snn::set_step_mode(*both, StepMode::Multi), 2);
+  EXPECT_EQ(both[0]->as<mpipe::snn::DropoutImpl>()->step_mode(), StepMode::Multi);
+  // Evaluation mode, p = 0 and p = 1.
+  Dropout eval(0.5);
+  eval->eval();
+  EXPECT_TRUE(torch::equal(eval(ones), ones));
+  EXPECT_FALSE(eval->holds_state()) << "evaluation draws no mask";
+  EXPECT_TRUE(torch::equal(Dropout(0.0)(ones), ones));
+  EXPECT_TRUE(torch::equal(Dropout(1.0)(ones), torch::zeros_like(ones)));
+  // Bad input.
+  MPIPE_EXPECT_ERROR(Dropout(1.5), "mpipe::snn::Dropout", "p must be in [0, 1]", "1.5");
+  MPIPE_EXPECT_ERROR(Dropout(-0.1), "p must be in [0, 1]");
+  MPIPE_EXPECT_ERROR(multi(torch::ones({4}, torch::kDouble)), "[T, N, ...] sequence", "[4]");
+  MPIPE_EXPECT_ERROR(single(torch::ones({N, 3}, torch::kDouble)), "a step of shape [8, 3]",
+                     "steps of shape [8, 500]", "micro-batch 0", "reset_states");
+  mpipe::reset_states(*single);
+  EXPECT_EQ(single(torch::ones({N, 3}, torch::kDouble)).sizes(), (std::vector<int64_t>{N, 3}))
+      << "usable after the error and a reset";
+}
+
+// Through a pipeline's training step, for single-step stages and every time
+// chunk, micro-batches, threads and checkpointing: the loss and gradients
+// equal a plain time loop of each micro-batch that multiplies by the mask the
+// pipeline drew (read inside loss_fn, before the step's final reset). A
+// checkpointed recompute that drew another mask would fail this.
+TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
+  using mpipe::snn::Dropout;
+  using mpipe::snn::DropoutImpl;
+  using mpipe::snn::DropoutOptions;
+  using mpipe::snn::SeqToANN;
+  using mpipe::snn::StepMode;
+  const int64_t T = 6, N = 6;
+  torch::manual_seed(22);
+  torch::nn::Linear fc1(8, 16), fc2(16, 4);
+  fc1->to(torch::kDouble);
+  fc2->to(torch::kDouble);
+  const auto x = torch::rand({N, 8}, torch::kDouble) * 2;
+  const auto w = torch::rand({N, 4}, torch::kDouble);
+  const auto neuron = IFNodeOptions().surrogate(Surrogate::atan());
+  struct Config {
+    int64_t chunk;  // 0: single-step stages
+    int64_t micro_batches;
+    bool threads;
+    mpipe::Checkpoint checkpoint;
+  };
+  std::vector<Config> configs;
+  for (int64_t chunk : {0, 1, 2, 4, 6}) {
+    for (int64_t m : {1, 2}) {
+      for (bool threads : {true, false}) {
+        for (auto c : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) configs.push_back({chunk, m, threads, c});
+      }
+    }
+  }
+  int64_t dropped = 0;
+  for (const auto& cfg : configs) {
+    SCOPED_TRACE("chunk " + std::to_string(cfg.chunk) + " micro-batches " + std::to_string(cfg.micro_batches) +
+                 (cfg.threads ? " threaded" : " inline") +
+                 (cfg.checkpoint == mpipe::Checkpoint::Always ? " checkpointed" : ""));
+    const auto mode = cfg.chunk > 0 ? StepMode::Multi : StepMode::Single;
+    Dropout drop(DropoutOptions(0.5).step_mode(mode));
+    torch::nn::Sequential s0, s1;
+    if (mode == StepMode::Multi) {
+      s0 = torch::nn::Sequential(SeqToANN(fc1), drop, IFNode(IFNodeOptions(neuron).step_mode(mode)));
+      s1 = torch::nn::Sequential(SeqToANN(fc2), IFNode(IFNodeOptions(neuron).step_mode(mode)));
+    } else {
+      s0 = torch::nn::Sequential(fc1, drop, IFNode(neuron));
+      s1 = torch::nn::Sequential(fc2, IFNode(neuron));
+    }
+    auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(cfg.threads).checkpoint(cfg.checkpoint));
+    pipe->append(s0, "cpu").append(s1, "cpu");
+    zero_grads(*pipe);
+    torch::Tensor mask;
+    auto loss_fn = [&](const torch::Tensor& out, const torch::Tensor&) {
+      mask = torch::cat(drop->masks());  // the micro-batches' masks, in row order
+      return (out * w).sum();
+    };
+    std::optional<int64_t> chunk;
+    if (cfg.chunk > 0) chunk = cfg.chunk;
+    torch::manual_seed(23);
+    const auto loss = pipe->constant_train_step(x, T, torch::Tensor(), loss_fn, chunk,
+                                                mpipe::Split(mpipe::chunks(cfg.micro_batches)));
+    EXPECT_FALSE(drop->holds_state()) << "the step resets the mask";
+    ASSERT_EQ(mask.sizes(), (std::vector<int64_t>{N, 16}));
+    dropped += (mask == 0).sum().item<int64_t>();
+    const auto got = grads_of(*pipe);
+    // The plain loop: each micro-batch for T steps, its rows of the mask.
+    zero_grads(*pipe);
+    torch::Tensor out;
+    const int64_t rows = N / cfg.micro_batches;
+    for (int64_t m = 0; m < cfg.micro_batches; ++m) {
+      IFNode a(neuron), b(neuron);
+      const auto xm = x.narrow(0, m * rows, rows);
+      const auto mm = mask.narrow(0, m * rows, rows);
+      torch::Tensor sum = torch::zeros({rows, 4}, torch::kDouble);
+      for (int64_t t = 0; t < T; ++t) sum = sum + b(fc2(a(fc1(xm) * mm)));
+      out = m == 0 ? sum : torch::cat({out, sum});
+    }
+    const auto want = (out * w).sum();
+    want.backward();
+    ASSERT_GT(out.sum().item<double>(), 0.0) << "the test should make spikes";
+    expect_close(loss, want, 1e-12, "loss");
+    expect_same_grads(got, grads_of(*pipe), 1e-12);
+  }
+  EXPECT_GT(dropped, 0) << "the masks dropped something";
+}

@@ -3,6 +3,8 @@
 //
 //   {Conv3x3(C)-BN-IF-MaxPool2} x 2 -> Linear(C*49, H)-IF -> Linear(H, 10)-IF
 //
+// (with --dropout, an snn::Dropout before each Linear layer)
+//
 // The image is fed directly (the first Conv-BN-IF layer encodes it as
 // spikes), or, with --poisson, as Poisson spike frames through
 // sequence_forward. With --time-chunk K the stages are multi-step and take K
@@ -49,6 +51,7 @@ struct Config {
   double momentum = 0.9;
   double weight_decay = 0;  // SGD's L2 penalty
   double ema = 0;           // decay of the evaluated weight average; 0: the weights themselves
+  double dropout = 0;       // snn::Dropout before each Linear layer; 0: none
   int64_t channels = 128;
   int64_t hidden = 2048;
   std::string eval_path;
@@ -83,6 +86,11 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   nn::Flatten flatten;
   nn::Linear linear1(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false));
   nn::Linear linear2(nn::LinearOptions(cfg.hidden, 10).bias(false));
+  // One mask per image for all T steps (Note [Dropout across time steps]).
+  if (cfg.dropout > 0) {
+    fc1->push_back(snn::Dropout(snn::DropoutOptions(cfg.dropout).step_mode(mode)));
+    fc2->push_back(snn::Dropout(snn::DropoutOptions(cfg.dropout).step_mode(mode)));
+  }
   if (multi) {  // [k, N, ...] per call: the stateless layers on [k*N, ...]
     fc1->push_back(snn::SeqToANN(flatten, linear1));
     fc2->push_back(snn::SeqToANN(linear2));
@@ -281,7 +289,10 @@ int run(Config cfg) {
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
                          : "no augmentation",
               cfg.precision.c_str(),
-              cfg.ema > 0 ? (", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")").c_str() : "",
+              ((cfg.dropout > 0 ? ", dropout " + std::to_string(cfg.dropout).substr(0, 4) : std::string()) +
+               (cfg.ema > 0 ? ", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")"
+                            : std::string()))
+                  .c_str(),
               common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
@@ -413,6 +424,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 0.999999));
   app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay (L2), default 0")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--dropout", cfg.dropout,
+                 "drop probability of snn::Dropout (one mask for all T steps) before each "
+                 "Linear layer; default 0, none")
+      ->check(CLI::Range(0.0, 0.99));
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
   app.add_option("--hidden", cfg.hidden, "hidden units of the first linear layer")
       ->check(CLI::PositiveNumber);

@@ -4,11 +4,12 @@
 #define MPIPE_SNN_H_
 
 // mpipe's spiking-neural-network toolkit: neurons (single- and multi-step),
-// multi-step containers, the spiking conv block, surrogate gradients,
-// encoders and rate decoding. State handling: mpipe/state.h.
+// multi-step containers, the spiking conv block, dropout over time, surrogate
+// gradients, encoders and rate decoding. State handling: mpipe/state.h.
 
 #include <mpipe/snn/containers.h>
 #include <mpipe/snn/conv_block.h>
+#include <mpipe/snn/dropout.h>
 #include <mpipe/snn/encoding.h>
 #include <mpipe/snn/monitor.h>
 #include <mpipe/snn/neuron.h>

@@ -34,8 +34,8 @@ inline const char* to_string(StepMode mode) {
 /// Writes to_string(mode).
 inline std::ostream& operator<<(std::ostream& os, StepMode mode) { return os << to_string(mode); }
 
-/// Sets the step mode of every mpipe::snn neuron in `module` (itself
-/// included) and returns how many it set. Stateless layers still need
+/// Sets the step mode of every mpipe::snn neuron and snn::Dropout in
+/// `module` (itself included) and returns how many it set. Stateless layers still need
 /// SeqToANN (mpipe/snn/containers.h) to take [T, N, ...] input.
 int64_t set_step_mode(torch::nn::Module& module, StepMode mode);
 

@@ -2,6 +2,7 @@
 
 #include "mpipe/detail/config.h"
 
+#include "mpipe/snn/dropout.h"
 #include "mpipe/snn/neuron.h"
 
 #include "mpipe/checkpoint.h"
@@ -247,6 +248,9 @@ MPIPE_FUNC int64_t set_step_mode(torch::nn::Module& module, StepMode mode) {
   auto set = [&](torch::nn::Module& m) {
     if (auto* neuron = dynamic_cast<NeuronBase*>(&m)) {
       neuron->set_step_mode(mode);
+      ++n;
+    } else if (auto* dropout = dynamic_cast<DropoutImpl*>(&m)) {
+      dropout->set_step_mode(mode);
       ++n;
     }
   };
