@@ -52,6 +52,7 @@ struct Config {
   double weight_decay = 0;  // SGD's L2 penalty
   double ema = 0;           // decay of the evaluated weight average; 0: the weights themselves
   double dropout = 0;       // snn::Dropout before each Linear layer; 0: none
+  bool bn_over_steps = false;  // BatchNorm statistics over all T*N rows (SpikingJelly's)
   int64_t channels = 128;
   int64_t hidden = 2048;
   std::string eval_path;
@@ -78,10 +79,14 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   const auto neuron =
       snn::IFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
   const int64_t c = cfg.channels;
-  // Conv3x3 (no bias), BatchNorm (statistics per time step in either mode),
+  // Conv3x3 (no bias), BatchNorm (statistics per time step in either mode,
+  // or, with --bn-over-steps, over a multi-step chunk's T*N rows),
   // IF, MaxPool2.
-  nn::Sequential conv1(snn::SpikingConvBlock(snn::SpikingConvBlockOptions(1, c).pool(2).neuron(neuron)));
-  nn::Sequential conv2(snn::SpikingConvBlock(snn::SpikingConvBlockOptions(c, c).pool(2).neuron(neuron)));
+  const bool per_step = !cfg.bn_over_steps;
+  nn::Sequential conv1(snn::SpikingConvBlock(
+      snn::SpikingConvBlockOptions(1, c).pool(2).neuron(neuron).step_batch_stats(per_step)));
+  nn::Sequential conv2(snn::SpikingConvBlock(
+      snn::SpikingConvBlockOptions(c, c).pool(2).neuron(neuron).step_batch_stats(per_step)));
   nn::Sequential fc1, fc2;
   nn::Flatten flatten;
   nn::Linear linear1(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false));
@@ -289,7 +294,8 @@ int run(Config cfg) {
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
                          : "no augmentation",
               cfg.precision.c_str(),
-              ((cfg.dropout > 0 ? ", dropout " + std::to_string(cfg.dropout).substr(0, 4) : std::string()) +
+              ((cfg.bn_over_steps ? std::string(", BatchNorm over steps") : std::string()) +
+               (cfg.dropout > 0 ? ", dropout " + std::to_string(cfg.dropout).substr(0, 4) : std::string()) +
                (cfg.ema > 0 ? ", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")"
                             : std::string()))
                   .c_str(),
@@ -428,6 +434,9 @@ int main(int argc, char** argv) {
                  "drop probability of snn::Dropout (one mask for all T steps) before each "
                  "Linear layer; default 0, none")
       ->check(CLI::Range(0.0, 0.99));
+  app.add_flag("--bn-over-steps", cfg.bn_over_steps,
+               "BatchNorm statistics over all T*N rows of a time chunk (SpikingJelly's "
+               "multi-step BatchNorm) instead of each step's");
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
   app.add_option("--hidden", cfg.hidden, "hidden units of the first linear layer")
       ->check(CLI::PositiveNumber);
