@@ -52,7 +52,9 @@ struct Config {
   double weight_decay = 0;  // SGD's L2 penalty
   double ema = 0;           // decay of the evaluated weight average; 0: the weights themselves
   double dropout = 0;       // snn::Dropout before each Linear layer; 0: none
-  bool bn_over_steps = false;  // BatchNorm statistics over all T*N rows (SpikingJelly's)
+  // BatchNorm's training statistics in multi-step stages: "chunk", over the
+  // T*N rows of a time chunk (SpikingJelly's), or "step", each step's own.
+  std::string bn_stats = "chunk";
   int64_t channels = 128;
   int64_t hidden = 2048;
   std::string eval_path;
@@ -79,10 +81,10 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   const auto neuron =
       snn::IFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
   const int64_t c = cfg.channels;
-  // Conv3x3 (no bias), BatchNorm (statistics per time step in either mode,
-  // or, with --bn-over-steps, over a multi-step chunk's T*N rows),
+  // Conv3x3 (no bias), BatchNorm (statistics over a multi-step chunk's T*N
+  // rows, or per time step with --bn-stats step and in single-step mode),
   // IF, MaxPool2.
-  const bool per_step = !cfg.bn_over_steps;
+  const bool per_step = cfg.bn_stats == "step";
   nn::Sequential conv1(snn::SpikingConvBlock(
       snn::SpikingConvBlockOptions(1, c).pool(2).neuron(neuron).step_batch_stats(per_step)));
   nn::Sequential conv2(snn::SpikingConvBlock(
@@ -278,6 +280,7 @@ int run(Config cfg) {
                              "cross processes; run it in one process");
   }
   auto pipe = build_model(cfg, devices);
+  const bool multi_step = cfg.time_chunk != 0;  // BatchNorm statistics matter only there
   std::printf("mpipe %s snn_fashion_mnist: 4 stages on %s%s, T=%lld, %lld train / %lld test "
               "images, batch %lld, channels %lld, hidden %lld, %s FC neurons, %s, %s, %s, %s%s%s\n",
               MPIPE_VERSION_STRING, examples::device_list(devices).c_str(),
@@ -294,7 +297,7 @@ int run(Config cfg) {
               augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
                          : "no augmentation",
               cfg.precision.c_str(),
-              ((cfg.bn_over_steps ? std::string(", BatchNorm over steps") : std::string()) +
+              ((multi_step ? ", BatchNorm per " + cfg.bn_stats : std::string()) +
                (cfg.dropout > 0 ? ", dropout " + std::to_string(cfg.dropout).substr(0, 4) : std::string()) +
                (cfg.ema > 0 ? ", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")"
                             : std::string()))
@@ -434,9 +437,10 @@ int main(int argc, char** argv) {
                  "drop probability of snn::Dropout (one mask for all T steps) before each "
                  "Linear layer; default 0, none")
       ->check(CLI::Range(0.0, 0.99));
-  app.add_flag("--bn-over-steps", cfg.bn_over_steps,
-               "BatchNorm statistics over all T*N rows of a time chunk (SpikingJelly's "
-               "multi-step BatchNorm) instead of each step's");
+  app.add_option("--bn-stats", cfg.bn_stats,
+                 "BatchNorm's training statistics in multi-step stages: chunk (over the T*N "
+                 "rows of a time chunk, SpikingJelly's; default) or step (each step's own)")
+      ->check(CLI::IsMember({"chunk", "step"}));
   app.add_option("--channels", cfg.channels, "conv channels")->check(CLI::PositiveNumber);
   app.add_option("--hidden", cfg.hidden, "hidden units of the first linear layer")
       ->check(CLI::PositiveNumber);
