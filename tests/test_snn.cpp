@@ -926,7 +926,8 @@ TEST(SnnDropout, OneMaskForEveryStepUntilReset) {
 // equal a plain time loop of each micro-batch that multiplies by the mask the
 // pipeline drew (read inside loss_fn, before the step's final reset). A
 // checkpointed recompute that drew another mask would fail this.
-TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
+namespace {
+void check_dropout_train_step(const std::string& device) {
   using mpipe::snn::Dropout;
   using mpipe::snn::DropoutImpl;
   using mpipe::snn::DropoutOptions;
@@ -934,11 +935,12 @@ TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
   using mpipe::snn::StepMode;
   const int64_t T = 6, N = 6;
   torch::manual_seed(22);
+  const auto opts = torch::TensorOptions(torch::Device(device)).dtype(torch::kDouble);
   torch::nn::Linear fc1(8, 16), fc2(16, 4);
-  fc1->to(torch::kDouble);
-  fc2->to(torch::kDouble);
-  const auto x = torch::rand({N, 8}, torch::kDouble) * 2;
-  const auto w = torch::rand({N, 4}, torch::kDouble);
+  fc1->to(opts.device(), torch::kDouble);
+  fc2->to(opts.device(), torch::kDouble);
+  const auto x = torch::rand({N, 8}, opts) * 2;
+  const auto w = torch::rand({N, 4}, opts);
   const auto neuron = IFNodeOptions().surrogate(Surrogate::atan());
   struct Config {
     int64_t chunk;  // 0: single-step stages
@@ -970,7 +972,7 @@ TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
       s1 = torch::nn::Sequential(fc2, IFNode(neuron));
     }
     auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(cfg.threads).checkpoint(cfg.checkpoint));
-    pipe->append(s0, "cpu").append(s1, "cpu");
+    pipe->append(s0, device).append(s1, device);
     zero_grads(*pipe);
     torch::Tensor mask;
     auto loss_fn = [&](const torch::Tensor& out, const torch::Tensor&) {
@@ -994,7 +996,7 @@ TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
       IFNode a(neuron), b(neuron);
       const auto xm = x.narrow(0, m * rows, rows);
       const auto mm = mask.narrow(0, m * rows, rows);
-      torch::Tensor sum = torch::zeros({rows, 4}, torch::kDouble);
+      torch::Tensor sum = torch::zeros({rows, 4}, opts);
       for (int64_t t = 0; t < T; ++t) sum = sum + b(fc2(a(fc1(xm) * mm)));
       out = m == 0 ? sum : torch::cat({out, sum});
     }
@@ -1005,4 +1007,12 @@ TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) {
     expect_same_grads(got, grads_of(*pipe), 1e-12);
   }
   EXPECT_GT(dropped, 0) << "the masks dropped something";
+}
+}  // namespace
+
+TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere) { check_dropout_train_step("cpu"); }
+
+TEST(SnnDropout, TrainStepEqualsAPlainLoopWithTheMaskEverywhere_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  check_dropout_train_step("cuda:0");
 }
