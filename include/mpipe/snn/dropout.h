@@ -11,9 +11,11 @@
 // rows does: a unit dropped at step 1 fires again at step 2 and the
 // regularisation averages out over T. snn::Dropout draws one mask per
 // micro-batch at its first training-mode call after a reset, keeps it as
-// state (mpipe::Stateful, reset by reset_states, which every time-step call
-// does before and after), and multiplies every step by it: the same units are
-// off for the whole sequence, whatever the time chunks. Inside a pipeline the
+// state (mpipe::Stateful: cleared by reset_states, which constant_train_step
+// calls before and after itself, and which users call between batches of
+// constant_forward and sequence_forward, as for the neurons), and multiplies
+// every step by it: the same units are off for the whole sequence, whatever
+// the time chunks. Inside a pipeline the
 // draw comes from the stage's generator of that item (Note [Random draws]), so
 // it is reproducible, threaded or inline, and a checkpointed recompute draws
 // the same mask (the snapshot before the first chunk holds none).
