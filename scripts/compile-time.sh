@@ -9,16 +9,15 @@ cd "$(dirname "$0")/.."
 reps=${REPS:-3}
 work=${MPIPE_COMPILE_TIME_DIR:-build-compile-time}
 for mode in compiled header_only; do
-  target=mpipe::mpipe
-  [ $mode = header_only ] && target=mpipe::mpipe_header_only
   mkdir -p "$work"
   cmake -S tests/consumer/add_subdirectory -B "$work/$mode" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DMPIPE_SOURCE_DIR="$PWD" -DMPIPE_CONSUMER_TARGET=$target -DCMAKE_EXPORT_COMPILE_COMMANDS=ON \
+    -DMPIPE_SOURCE_DIR="$PWD" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON \
     "$@" > "$work/$mode.configure.log"
   python3 - "$work/$mode/compile_commands.json" "$mode" "$reps" <<'PY'
 import json, re, shlex, statistics, subprocess, sys, time
 entries, mode, reps = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
-e = next(e for e in entries if e["file"].endswith("common/main.cpp"))
+e = next(e for e in entries
+         if e["file"].endswith("common/main.cpp") and "consumer_%s.dir" % mode in e["command"])
 cmd = re.sub(r"^\S*ccache ", "", e["command"])
 cmd = re.sub(r" -o \S+", " -o /dev/null", cmd)
 cmd = re.sub(r" -M[DT]\b( \S+)?| -MF \S+", "", cmd)

@@ -50,7 +50,8 @@ for mode in "${modes[@]}"; do
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
-    ctest --output-on-failure -j "$(nproc)" -E '^consumer\.' --timeout 1200
+    ctest --output-on-failure -j "$((4 * $(nproc)))" --resource-spec-file "$PWD/cpus.json" \
+      -E '^consumer\.' --timeout 1200
   )
   echo "== $mode: clean"
 done

@@ -36,13 +36,14 @@ endif()
 if(NOT _out MATCHES "pipelines across processes on")
   message(FATAL_ERROR "c10d was not found with MPIPE_GLOO_INCLUDE=${_gloo}")
 endif()
-# expect_include(BUILD SOURCE): the compile command of SOURCE (the end of its
-# path) in BUILD/compile_commands.json names the vendored Gloo.
+# expect_include(BUILD SOURCE [TARGET]): the compile command of SOURCE (the end
+# of its path; for TARGET, when given) in BUILD/compile_commands.json names
+# the vendored Gloo.
 function(expect_include build source)
   file(READ ${build}/compile_commands.json _commands)
   string(REGEX MATCHALL "{[^}]*}" _entries "${_commands}")
   foreach(_entry IN LISTS _entries)
-    if(_entry MATCHES "\"file\": \"[^\"]*${source}\"")
+    if(_entry MATCHES "\"file\": \"[^\"]*${source}\"" AND _entry MATCHES "${ARGN}")
       string(FIND "${_entry}" "${_gloo}" _at)
       if(_at EQUAL -1)
         message(FATAL_ERROR "${source} is compiled without ${_gloo}:\n${_entry}")
@@ -67,14 +68,14 @@ foreach(_file IN LISTS _exports)
   endif()
 endforeach()
 # ... and so does mpipe::mpipe_header_only under add_subdirectory (the build
-# interface): the add_subdirectory consumer, header-only, on the copy.
+# interface): the add_subdirectory consumer's header-only program, on the copy.
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer/add_subdirectory -B ${WORK_DIR}/consumer
     -G ${GENERATOR} ${_args} -DMPIPE_SOURCE_DIR=${_src} -DMPIPE_GLOO_INCLUDE=${_gloo}
-    -DMPIPE_CONSUMER_TARGET=mpipe::mpipe_header_only -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+    -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   RESULT_VARIABLE _code OUTPUT_VARIABLE _out ERROR_VARIABLE _out TIMEOUT 600)
 message(STATUS "cmake (add_subdirectory consumer) exited with ${_code}; output:\n${_out}")
 if(NOT _code EQUAL 0)
   message(FATAL_ERROR "configuring the add_subdirectory consumer on ${_src} failed")
 endif()
-expect_include(${WORK_DIR}/consumer common/main.cpp)
+expect_include(${WORK_DIR}/consumer common/main.cpp consumer_header_only)

@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -36,23 +37,45 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (another process may
-/// take it before rank 0's store binds it; pass --master-port to choose).
-int free_port() {
+/// Whether a TCP port on 127.0.0.1 can be bound now (0: any; the port bound
+/// is returned, -1 when none).
+int bindable(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof(addr);
-  int port = -1;
+  int bound = -1;
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
+    bound = ntohs(addr.sin_port);
   }
   close(fd);
-  return port;
+  return bound;
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (another process may
+/// take it before rank 0's store binds it; pass --master-port to choose).
+/// Note [Launch ports]: it is drawn at random from the 10,000 ports below
+/// the kernel's ephemeral range (ip_local_port_range), which connections
+/// never take on their own: several launches side by side (ctest runs the
+/// fault drills so) would otherwise race the ranks' own connections for it.
+int free_port() {
+  int low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &low) != 1) low = 32768;
+    std::fclose(f);
+  }
+  if (low > 11024) {
+    std::srand(static_cast<unsigned>(getpid()) ^ static_cast<unsigned>(time(nullptr)));
+    for (int tries = 0; tries < 100; ++tries) {
+      const int port = low - 1 - std::rand() % 10000;
+      if (bindable(port) == port) return port;
+    }
+  }
+  return bindable(0);
 }
 
 struct Rank {

@@ -5,10 +5,15 @@ function(mpipe_fashion_example name)
   find_package(ZLIB REQUIRED)
   find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
   set(common ${CMAKE_CURRENT_FUNCTION_LIST_DIR})
-  add_executable(${name} main.cpp ${common}/fashion_mnist.cpp)
-  target_include_directories(${name} PRIVATE ${common})
+  # The data loader, compiled once for both examples.
+  if(NOT TARGET mpipe_examples_fashion_data)
+    add_library(mpipe_examples_fashion_data STATIC ${common}/fashion_mnist.cpp)
+    target_include_directories(mpipe_examples_fashion_data PUBLIC ${common})
+    target_link_libraries(mpipe_examples_fashion_data PUBLIC torch ZLIB::ZLIB)
+  endif()
+  add_executable(${name} main.cpp)
   target_include_directories(${name} SYSTEM PRIVATE ${CLI11_INCLUDE_DIR})
-  target_link_libraries(${name} PRIVATE mpipe::mpipe ZLIB::ZLIB)
+  target_link_libraries(${name} PRIVATE mpipe::mpipe mpipe_examples_fashion_data)
 endfunction()
 
 # A ctest that runs `name` on the CPU with `min_accuracy` asserted and the

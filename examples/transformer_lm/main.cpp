@@ -60,6 +60,7 @@ struct Config {
   int64_t steps = 0;
   int64_t warmup = -1;  // -1: a tenth of the steps, at most 100
   int64_t eval_every = 0;  // 0: once per epoch (a pass over the training text)
+  int64_t val_chars = 0;   // 0: the whole validation text
   int64_t log_every = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
   std::string schedule = "1f1b";
@@ -201,7 +202,9 @@ struct Corpus {
   double unigram = 0;                // cross-entropy of val under train's character frequencies (nats)
 };
 
-Corpus make_corpus(const std::string& text) {
+/// `val_chars` > 0: validate on the first that many characters of the
+/// validation text only (the baseline too).
+Corpus make_corpus(const std::string& text, int64_t val_chars) {
   Corpus c;
   std::array<int64_t, 256> id{};
   id.fill(-1);
@@ -220,6 +223,7 @@ Corpus make_corpus(const std::string& text) {
   const int64_t n_train = all.size(0) * 9 / 10;
   c.train = all.narrow(0, 0, n_train);
   c.val = all.narrow(0, n_train, all.size(0) - n_train);
+  if (val_chars > 0 && val_chars < c.val.size(0)) c.val = c.val.narrow(0, 0, val_chars);
   // The unigram baseline, with add-one smoothing.
   const auto vocab = static_cast<int64_t>(c.chars.size());
   const auto counts = torch::bincount(c.train, {}, vocab).to(torch::kDouble) + 1;
@@ -490,7 +494,7 @@ int run(Config c) {
     throw std::runtime_error("found " + std::to_string(text.size()) + " bytes of text in " +
                              common.data + "; install it with: apt-get install fortunes");
   }
-  const Corpus corpus = make_corpus(text);
+  const Corpus corpus = make_corpus(text, c.val_chars);
   const auto vocab = static_cast<int64_t>(corpus.chars.size());
   if (c.eval_every == 0) c.eval_every = std::max<int64_t>(1, corpus.train.size(0) / (c.batch * c.context));
   const bool report = examples::reports(c.group);
@@ -733,6 +737,8 @@ int main(int argc, char** argv) {
   app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline)");
   app.add_flag("--resume", c.resume, "continue from the weights and step saved in --out");
   app.add_option("--eval-every", c.eval_every, "validate and save every N steps (default: every epoch)");
+  app.add_option("--val-chars", c.val_chars, "validate on the first N characters of the validation "
+                 "text (default: all of it)")->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", c.log_every, "progress line every N steps");
   app.add_option("--generate", c.generate, "characters to sample at the end (default 400, 200 with --quick)");
   app.add_option("--prompt", c.prompt, "the text sampling starts from");

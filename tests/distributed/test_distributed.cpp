@@ -895,7 +895,71 @@ TEST(Distributed, StagesOnTheirOwnGpusOverNccl_MultiCUDA) {
   if (group().is_last()) expect_close(out.cpu(), plain(reference, x), "forward over NCCL");
 }
 
-// Fault drills: run one at a time (tests/CMakeLists.txt) with a short timeout.
+// The fault drills' stalled rank: it sleeps until the others have reported
+// (each drill launch has a folder of its own, named by its port), so that a
+// drill lasts no longer than its reports.
+namespace {
+
+std::string drill_dir() {
+  const char* port = std::getenv("MASTER_PORT");
+  return std::string("/tmp/mpipe-drill-") + (port ? port : "0");
+}
+
+/// The stalled rank: waits until every other rank has reported (or long
+/// past the bound), then leaves without the group's teardown.
+[[noreturn]] void stall_until_reported() {
+  const auto until = std::chrono::steady_clock::now() + g_group.timeout() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < until) {
+    int64_t reported = 0;
+    for (int64_t r = 0; r < g_group.world_size(); ++r) {
+      const std::string f = drill_dir() + "/done." + std::to_string(r);
+      if (FILE* file = std::fopen(f.c_str(), "r")) {
+        std::fclose(file);
+        ++reported;
+      }
+    }
+    if (reported >= g_group.world_size() - 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::printf("fault drill: the stalled rank leaves\n");
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+
+/// The drills' short timeout bounds the rendezvous too: it starts once every
+/// rank's process is up (LibTorch's start takes a second or more on a busy
+/// machine, and ctest runs the drills side by side).
+void wait_until_every_rank_started() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (!rank || !world) return;
+  std::system(("mkdir -p " + drill_dir()).c_str());
+  if (FILE* f = std::fopen((drill_dir() + "/started." + rank).c_str(), "w")) std::fclose(f);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    int64_t started = 0;
+    for (int64_t r = 0; r < std::atoll(world); ++r) {
+      if (FILE* f = std::fopen((drill_dir() + "/started." + std::to_string(r)).c_str(), "r")) {
+        std::fclose(f);
+        ++started;
+      }
+    }
+    if (started == std::atoll(world)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+/// Tells the stalled rank that this one has reported.
+void report_done() {
+  std::system(("mkdir -p " + drill_dir()).c_str());
+  if (FILE* f = std::fopen((drill_dir() + "/done." + std::to_string(g_group.rank())).c_str(), "w")) {
+    std::fclose(f);
+  }
+}
+
+}  // namespace
+
+// Fault drills: one launch each (tests/CMakeLists.txt) with a short timeout.
 // MPIPE_TEST_FAULT=die|stall picks what the last rank does at its second
 // micro-batch; the other ranks must fail within the timeout plus a few seconds.
 TEST(Faults, ALostRankFailsTheOthers) {
@@ -903,6 +967,7 @@ TEST(Faults, ALostRankFailsTheOthers) {
   if (!fault) GTEST_SKIP() << "set MPIPE_TEST_FAULT=die|stall";
   const std::string kind = fault;
   const int64_t n = group().pipeline_size();
+  if (group().rank() == n - 1 && kind == "stall") std::system(("rm -rf " + drill_dir()).c_str());
   struct DrillImpl : torch::nn::Module {
     DrillImpl(bool armed, std::string kind) : armed(armed), kind(std::move(kind)) {
       fc = register_module("fc", torch::nn::Linear(6, 6));
@@ -911,8 +976,7 @@ TEST(Faults, ALostRankFailsTheOthers) {
     at::Tensor forward(const at::Tensor& x) {
       if (armed && ++seen == 2) {
         if (kind == "die") std::_Exit(0);  // 0: the launcher leaves the others to notice
-        std::this_thread::sleep_for(g_group.timeout() + std::chrono::seconds(15));
-        std::_Exit(0);
+        stall_until_reported();
       }
       return fc(x);
     }
@@ -942,11 +1006,12 @@ TEST(Faults, ALostRankFailsTheOthers) {
     EXPECT_LT(took, group().timeout().count() / 1000.0 + 5 + 0.5 * n) << what;
   }
   std::fflush(stdout);
+  report_done();
   // The drill's rank is dead or asleep: leave without the group's teardown.
   std::_Exit(::testing::UnitTest::GetInstance()->current_test_info()->result()->Passed() ? 0 : 1);
 }
 
-// Fault bounds: run one drill per launch (tests/CMakeLists.txt) with a 5 s
+// Fault bounds: run one drill per launch (tests/CMakeLists.txt) with a 2 s
 // group timeout and 3 ranks. MPIPE_TEST_DRILL=<fault>:<where>:<rank>:
 //  - fault stall: the rank stops (it sleeps until the others have reported,
 //    then exits); where: before (the pipeline's first call), between (two
@@ -986,32 +1051,6 @@ Drill drill_from_env() {
   d.rank = parts[2] == "first" ? 0 : parts[2] == "middle" ? n / 2 : n - 1;
   if (parts.size() > 3) d.call = parts[3];
   return d;
-}
-
-std::string drill_dir() {
-  const char* port = std::getenv("MASTER_PORT");
-  return std::string("/tmp/mpipe-drill-") + (port ? port : "0");
-}
-
-/// The stalled rank: waits until every other rank has reported (or long
-/// past the bound), then leaves without the group's teardown.
-[[noreturn]] void stall_until_reported() {
-  const auto until = std::chrono::steady_clock::now() + g_group.timeout() + std::chrono::seconds(20);
-  while (std::chrono::steady_clock::now() < until) {
-    int64_t reported = 0;
-    for (int64_t r = 0; r < g_group.world_size(); ++r) {
-      const std::string f = drill_dir() + "/done." + std::to_string(r);
-      if (FILE* file = std::fopen(f.c_str(), "r")) {
-        std::fclose(file);
-        ++reported;
-      }
-    }
-    if (reported >= g_group.world_size() - 1) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::printf("fault drill: the stalled rank leaves\n");
-  std::fflush(stdout);
-  std::_Exit(0);
 }
 
 /// Linear, stalling in its forward or (through a hook) its backward of the
@@ -1103,10 +1142,7 @@ TEST(Faults, EveryRankFailsWithinTheBoundNamingTheFaultyRank) {
   const bool passed = ::testing::UnitTest::GetInstance()->current_test_info()->result()->Passed();
   if (d.fault != "stall") return;  // the group is whole: the closing barrier follows
   // Tell the stalled rank, then leave without the group's teardown.
-  std::system(("mkdir -p " + drill_dir()).c_str());
-  if (FILE* f = std::fopen((drill_dir() + "/done." + std::to_string(me)).c_str(), "w")) {
-    std::fclose(f);
-  }
+  report_done();
   std::_Exit(passed ? 0 : 1);
 }
 
@@ -1134,6 +1170,9 @@ int main(int argc, char** argv) {
   if (!mpipe::distributed::available()) {
     std::printf("mpipe was built without c10d: nothing to test\n");
     return 77;  // skipped
+  }
+  if (std::getenv("MPIPE_TEST_DRILL") || std::getenv("MPIPE_TEST_FAULT")) {
+    wait_until_every_rank_started();
   }
   g_group = mpipe::distributed::init_from_env(
       mpipe::distributed::GroupOptions().replicas(replicas).backend(backend).timeout(
