@@ -10,7 +10,9 @@
 // or FAILED, then the failure messages. ctest's entry for the test prints
 // that file and passes, skips or fails by its first line, so every test
 // still has an entry of its own; a shard that crashes leaves its remaining
-// tests without a file, and their entries fail.
+// tests without a file, and their entries fail. `ctest -R Name` runs the
+// shards too (the entries' fixture); to run one test alone:
+// `build/tests/mpipe_tests --gtest_filter=Name`.
 #include <gtest/gtest.h>
 
 #include <mpipe/device.h>
