@@ -20,7 +20,7 @@
 # ops = mpipe_bench --count-ops (the ATen operations of one call per row, on
 # the GPU's code paths) of $MPIPE_OPS_ONLY, by name in ops.tar.gz;
 # headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
-# build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER); consumers = the four
+# build-gpu-ho; --gtest_filter=$MPIPE_GTEST_FILTER); consumers = the
 # consumer tests; compiletime = scripts/compile-time.sh (compile-time.txt). Logs go to
 # ${OUT:-/tmp/mpipe-gpu}: build.log, and run.log for everything the steps print
 # (few files, since a device call brings back at most 8), plus the benchmark's
