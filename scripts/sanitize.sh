@@ -2,7 +2,9 @@
 # Builds the CPU test suite with sanitizers and runs it through ctest:
 #   asan  AddressSanitizer + UndefinedBehaviorSanitizer (into build-asan), with
 #         the tests built header-only (mpipe::mpipe_header_only): CI's two
-#         passes run every test in both modes
+#         passes run every test in both modes. This pass also compiles each
+#         public header on its own (MPIPE_HEADER_CHECK, Note [Header check in
+#         CI] in tests/CMakeLists.txt)
 #   tsan  ThreadSanitizer, for the threaded runtime (into build-tsan)
 # Usage: bash scripts/sanitize.sh [asan] [tsan]      (both when none is named)
 # Any report fails the run. LibTorch itself is not instrumented; the few
@@ -22,9 +24,10 @@ for mode in "${modes[@]}"; do
     # asan: -O1 -g1 (line tables), as ASan advises; it halves the compile time
     # of the header-only test files, each of which compiles the implementation.
     asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=ON "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG") ;;
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=ON -DMPIPE_HEADER_CHECK=ON
+                     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG") ;;
     tsan) flags="-fsanitize=thread"
-          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=OFF "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g -DNDEBUG") ;;
+          mode_args=(-DMPIPE_TESTS_HEADER_ONLY=OFF -DMPIPE_HEADER_CHECK=OFF "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g -DNDEBUG") ;;
     *) echo "sanitize.sh: unknown mode '$mode' (asan or tsan)" >&2; exit 2 ;;
   esac
   build="build-$mode"
@@ -35,7 +38,7 @@ for mode in "${modes[@]}"; do
     -DCMAKE_SHARED_LINKER_FLAGS="$flags" "${mode_args[@]}"
   # The tests and what ctest runs besides them (mpipe-launch, when CLI11 is there).
   targets=(mpipe_tests)
-  for t in mpipe-launch mpipe_dist_tests mpipe_dist_stress; do
+  for t in mpipe-launch mpipe_dist_tests mpipe_dist_stress mpipe_header_check; do
     grep -q "build $t:" "$build/build.ninja" && targets+=("$t")
   done
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"

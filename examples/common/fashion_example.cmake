@@ -21,5 +21,5 @@ endfunction()
 function(mpipe_fashion_accuracy_test test_name name min_accuracy)
   add_test(NAME ${test_name}
     COMMAND ${name} --devices cpu --min-accuracy ${min_accuracy} --skip-if-no-data ${ARGN})
-  set_tests_properties(${test_name} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 900 PROCESSORS 2)
+  set_tests_properties(${test_name} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 900 COST 15)
 endfunction()

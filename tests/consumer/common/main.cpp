@@ -1,8 +1,9 @@
 // A user's program: builds a two-stage pipeline and checks it against the
 // plain model. Built by the consumer tests through find_package and through
 // add_subdirectory, against mpipe::mpipe and against mpipe::mpipe_header_only.
-// Two files include mpipe (this one and second.cpp), so that header-only mode
-// must define everything once (inline) or fail to link.
+// Header-only through find_package, two files include mpipe (this one and
+// second.cpp), so that header-only mode must define everything once (inline)
+// or fail to link (common/consumer.cmake).
 #include <mpipe/mpipe.h>
 
 #include <torch/nn/modules/linear.h>
@@ -15,7 +16,9 @@
 #include <link.h>
 #endif
 
+#ifdef MPIPE_CONSUMER_SECOND_FILE
 std::string second_file_report();  // second.cpp
+#endif
 
 int main() {
   auto a = torch::nn::Linear(4, 3), b = torch::nn::Linear(3, 2);
@@ -24,7 +27,11 @@ int main() {
   auto x = torch::randn({6, 4});
   auto diff = (pipe->forward(x, 4) - b(a(x))).abs().max().item<double>();
   std::cout << "mpipe " << MPIPE_VERSION_STRING << " consumer: max diff " << diff << "\n";
-  std::cout << second_file_report() << "\n";
+#ifdef MPIPE_CONSUMER_SECOND_FILE
+  const std::string second = second_file_report();
+  std::cout << second << "\n";
+  if (second.rfind("second file: ", 0) != 0) return 1;
+#endif
 #ifdef MPIPE_HEADER_ONLY
   // Header-only: the program must not load libmpipe.
   bool loaded = false;
