@@ -1,3 +1,22 @@
+# include() it for mpipe_same_across_ranks_test(); its tests run it with -P.
+#
+# mpipe_same_across_ranks_test(NAME EXE PATTERN RANKS <launcher...> ARGS <flags...>)
+# adds the ctest NAME: EXE (a target) in one process and as ranks, with ARGS,
+# must print the same matches of PATTERN. One ATen thread in both, as
+# mpipe-launch gives its ranks, so that both sum in the same order.
+if(NOT CMAKE_SCRIPT_MODE_FILE)
+  function(mpipe_same_across_ranks_test name exe pattern)
+    cmake_parse_arguments(PARSE_ARGV 3 _same "" "" "RANKS;ARGS")
+    add_test(NAME ${name}
+      COMMAND ${CMAKE_COMMAND} -DEXE=$<TARGET_FILE:${exe}> -DDIR=${CMAKE_CURRENT_BINARY_DIR}/${name}_out
+        "-DARGS=${_same_ARGS}" "-DRANKS=${_same_RANKS}" "-DPATTERN=${pattern}"
+        -P ${CMAKE_CURRENT_FUNCTION_LIST_FILE})
+    set_tests_properties(${name} PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_REGULAR_EXPRESSION "SKIP:"
+      ENVIRONMENT OMP_NUM_THREADS=1)
+  endfunction()
+  return()
+endif()
+
 # cmake -DEXE=<example> "-DARGS=<flags;...>" "-DRANKS=<launcher;...>" -DDIR=<out folder>
 #       -DPATTERN=<regex> -P same_across_ranks.cmake
 # Runs the example in one process, then as ranks of one pipeline (RANKS, e.g.
