@@ -25,7 +25,6 @@
 
 namespace mpipe {
 
-using detail::CallSpec;
 
 namespace detail {
 /// Results handed to the caller: usable on its current streams.
@@ -66,7 +65,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
     detail::RemoteCall* remote) {
   const int64_t n_stages = executor.n_total();
   Plan plan;
-  CallSpec& spec = plan.spec;
+  detail::CallSpec& spec = plan.spec;
   spec.method = "forward";
   spec.item_name = "micro-batch";
   spec.n_items = info.n_items;
@@ -93,7 +92,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_forward
       spec.lane_stages.push_back(stateful[j].empty() && stages[j]->buffers().empty());
     }
   }
-  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+  plan.results = [outs, remote, n_stages](const detail::CallSpec&) -> Tensors {
     if (remote && !remote->last()) return {};
     return detail::for_caller(
         detail::gather("forward", "micro-batch", n_stages - 1, *outs, false, true));
@@ -246,7 +245,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   // Note [Time chunks], Note [Micro-batches over time]
   const detail::TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
   Plan plan;
-  CallSpec& spec = plan.spec;
+  detail::CallSpec& spec = plan.spec;
   spec.method = method;
   spec.item_name = detail::item_name(chunks);
   spec.n_items = chunks.count();
@@ -273,7 +272,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   auto outs = std::make_shared<detail::TimeStepOutputs>(info.reduce != 0 || loss_fn, chunks);
   spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
   if (!loss_fn) {
-    plan.results = [outs, remote, method, n_stages](const CallSpec&) -> Tensors {
+    plan.results = [outs, remote, method, n_stages](const detail::CallSpec&) -> Tensors {
       if (remote && !remote->last()) return {};
       return detail::for_caller(outs->results(method, n_stages - 1, /*stack=*/false));
     };
@@ -291,7 +290,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
                                detail::for_caller(outs->results(method, n_stages - 1, false)),
                                target);
   };
-  plan.results = [remote](const CallSpec& done) -> Tensors {
+  plan.results = [remote](const detail::CallSpec& done) -> Tensors {
     if (remote && !remote->last()) return {};
     detail::record_on_current(done.losses.back());  // the caller's streams waited for the stages
     return {done.losses.back()};
@@ -344,7 +343,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_sequenc
   // Note [Time chunks], Note [Micro-batches over time]
   const detail::TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
   Plan plan;
-  CallSpec& spec = plan.spec;
+  detail::CallSpec& spec = plan.spec;
   spec.method = "sequence_forward";
   spec.item_name = detail::item_name(chunks);
   spec.n_items = chunks.count();
@@ -359,7 +358,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_sequenc
   spec.caller_tensors = detail::tensors_of(inputs);
   auto outs = std::make_shared<detail::TimeStepOutputs>(info.reduce != 0, chunks);
   spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
-  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+  plan.results = [outs, remote, n_stages](const detail::CallSpec&) -> Tensors {
     if (remote && !remote->last()) return {};
     return detail::for_caller(outs->results("sequence_forward", n_stages - 1, /*stack=*/true));
   };

@@ -39,13 +39,6 @@ struct ModelPipelineImpl::State {
   torch::nn::ModuleList stages;
   std::vector<detail::StageForward> forwards;
   std::vector<c10::Device> devices;
-  /// Whether every stage of this process is on one device.
-  bool one_device() const {
-    for (const auto& d : devices) {
-      if (d != devices.front()) return false;
-    }
-    return true;
-  }
   std::vector<std::vector<detail::StatefulModule>> stateful;  // per stage
   detail::Executor executor;
   std::shared_ptr<detail::GraphCache> graphs;  // null without CUDA

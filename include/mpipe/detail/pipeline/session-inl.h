@@ -27,8 +27,6 @@
 
 namespace mpipe {
 
-using detail::CallSpec;
-using detail::GraphKey;
 
 MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
     : self(owner),
@@ -40,7 +38,7 @@ MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
 // Every call kind is data (CallKind): how to check and describe a call from
 // its inputs and options (describe: a CallInfo, the same on every rank
 // across processes), what every rank checks given that description (check),
-// and a plan (plan: the executor's CallSpec, with the items, the programs,
+// and a plan (plan: the executor's detail::CallSpec, with the items, the programs,
 // where inputs come from and outputs go, and how to hand results back). One
 // session, run_call, runs any kind: the call prologue (guarded), across
 // processes the first rank's description told to every rank, else a CUDA
@@ -60,9 +58,9 @@ struct ScopedFlag {
 };
 
 /// The key of a graphed call: what its capture depends on.
-MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::Tensor& x,
+MPIPE_FUNC detail::GraphKey key_of(const char* method, const CallInfo& info, const at::Tensor& x,
                            const at::Tensor& target, bool training) {
-  GraphKey key;
+  detail::GraphKey key;
   key.method = method;
   key.items = info.n_items;
   key.rows = info.rows;
@@ -121,7 +119,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::run_call(const CallKind& kind,
     if (kind.check) kind.check(info, nullptr);
     if (kind.graphable && inputs.size() == 1) {
       const at::Tensor& x = inputs[0].tensor;
-      const GraphKey key = detail::key_of(kind.method, info, x, target, self.is_training());
+      const detail::GraphKey key = detail::key_of(kind.method, info, x, target, self.is_training());
       auto eager = [&](const at::Tensor& xg, const at::Tensor& yg, bool th) {
         return detail::one_output(kind.method, run_plan(kind.plan(info, {Input(xg)}, yg, nullptr), th));
       };
@@ -193,7 +191,7 @@ MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::agree(
   return info;
 }
 
-MPIPE_FUNC void ModelPipelineImpl::State::execute(CallSpec& spec, bool threaded) {
+MPIPE_FUNC void ModelPipelineImpl::State::execute(detail::CallSpec& spec, bool threaded) {
   std::shared_ptr<detail::Recorder> recorder;
   if (self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
     recorder = start_recording(
@@ -243,7 +241,7 @@ MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) co
   return true;
 }
 
-MPIPE_FUNC std::string ModelPipelineImpl::State::graph_key(const GraphKey& key) const {
+MPIPE_FUNC std::string ModelPipelineImpl::State::graph_key(const detail::GraphKey& key) const {
   // A capture fixes each module's branch on its training flag: a stage put
   // in eval (or train) mode on its own is another graph.
   std::string modes;
@@ -282,7 +280,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
 //    all: a graph starts from reset state, an eager call carries state on;
 //    no module in training mode with buffers (BatchNorm updating its running
 //    statistics: the capturing call's warm-up would update them twice);
-//  - the same key (GraphKey: method, arguments, input shape and dtype,
+//  - the same key (detail::GraphKey: method, arguments, input shape and dtype,
 //    autocast state; with graph_key, every module's train/eval flag) ran
 //    eagerly twice before, so one-off shapes cost no capture, and neither run
 //    drew random numbers (draws_seen: a replay would draw other numbers than
@@ -308,7 +306,7 @@ constexpr int kAutoEagerRuns = 2;
 constexpr int kAutoMoves = 2;
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
-    const GraphKey& key, const at::Tensor& x,
+    const detail::GraphKey& key, const at::Tensor& x,
     const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
   const std::string k = graph_key(key);
   const std::vector<at::Tensor> watched = watched_tensors();
@@ -371,7 +369,7 @@ MPIPE_FUNC bool ModelPipelineImpl::State::casts_beat_graphs(const at::Tensor& x)
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
-    const GraphKey& key, const at::Tensor& x, const at::Tensor& target,
+    const detail::GraphKey& key, const at::Tensor& x, const at::Tensor& target,
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
   if (self.options.cuda_graphs() && step_graphable(x, target) && !casts_beat_graphs(x)) {
     detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])

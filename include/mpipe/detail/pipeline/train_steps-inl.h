@@ -28,8 +28,6 @@
 
 namespace mpipe {
 
-using detail::CallSpec;
-using detail::GraphKey;
 
 
 MPIPE_FUNC void ModelPipelineImpl::State::check_checkpointable(const char* method,
@@ -159,7 +157,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_train_s
     requires_grad.push_back(first && x.tensor.requires_grad());
   }
   Plan plan;
-  CallSpec& spec = plan.spec;
+  detail::CallSpec& spec = plan.spec;
   spec.method = "train_step";
   spec.item_name = "micro-batch";
   spec.training = true;
@@ -200,7 +198,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_train_s
   // Data parallelism: what this step adds to the gradients, before it runs.
   auto replicas = std::make_shared<detail::ReplicaGradients>(self.parameters(), remote);
   plan.results = [this, caller, in, requires_grad, rows, batch, mean, last_rank, unscaled,
-                  replicas](const CallSpec& done) -> Tensors {
+                  replicas](const detail::CallSpec& done) -> Tensors {
     at::Tensor loss_sum;
     if (last_rank) {  // the step's loss, on the last stage's stream, summed in micro-batch order
       c10::OptionalStreamGuard last_stage(executor.compute_stream(devices.size() - 1));
@@ -272,7 +270,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     Plan plan = plan_constant("constant_train_step", info, in, remote, loss_fn, y);
     // Data parallelism: the replicas' gradients averaged (a mean loss).
     auto replicas = std::make_shared<detail::ReplicaGradients>(self.parameters(), remote);
-    plan.results = [replicas, results = std::move(plan.results)](const CallSpec& done) {
+    plan.results = [replicas, results = std::move(plan.results)](const detail::CallSpec& done) {
       const Tensors got = results(done);
       at::Tensor loss = got.empty() ? at::Tensor() : got[0];
       replicas->reduce(/*mean=*/true, loss);
