@@ -18,6 +18,8 @@
 #include <mpipe/simulate.h>
 #include <mpipe/snn.h>
 
+#include "mpipe/detail/runtime/programs.h"  // constant_train_step's programs, simulated
+
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -156,7 +158,7 @@ int snn_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
                           {"stage_item_f_s", f}, {"stage_item_b_s", fb - f}};
       for (int64_t d : {int64_t{4}, int64_t{8}}) {
         const double span = mpipe::schedules::makespan(
-            mpipe::schedules::chained(items, d), {mpipe::schedules::StageCost{f, fb - f, 0, 0}});
+            mpipe::detail::chained(items, d), {mpipe::schedules::StageCost{f, fb - f, 0, 0}});
         // The plain model of d such stages takes d times one stage's whole step.
         const double plain_d = static_cast<double>(d) * plain / static_cast<double>(n);
         const double speedup = plain_d / span;

@@ -7,6 +7,8 @@
 #include <mpipe/autocast.h>
 #include <mpipe/snn.h>
 
+#include "mpipe/detail/snn/fused_neuron.h"  // the kernel launch count
+
 #include <cmath>
 
 using namespace mpipe_test;
@@ -343,10 +345,10 @@ TEST(MultiStepNeurons, FusedKernelEqualsSingleSteps_CUDA) {
         auto single = variant.second();
         auto multi = variant.second();
         const StepsResult ref = run_steps(*single, x0, xs, {});
-        const int64_t launches = mpipe::snn::fused_cuda_kernel_launches();
+        const int64_t launches = mpipe::detail::fused_cuda_kernel_launches();
         const StepsResult got = run_steps(*multi, x0, xs, {T});
         // Warm-up step and the T steps: one kernel each way for each.
-        EXPECT_EQ(mpipe::snn::fused_cuda_kernel_launches() - launches, 4);
+        EXPECT_EQ(mpipe::detail::fused_cuda_kernel_launches() - launches, 4);
         expect_equal_steps(got, ref, what);
         expect_equal_steps(run_steps(*multi, x0, xs, {5, 11}), ref, what + " chunks 5, 11");
       }

@@ -7,6 +7,8 @@
 
 #include <mpipe/snn.h>
 
+#include "mpipe/detail/snn/fused_neuron.h"  // the kernel launch count
+
 #include <cmath>
 
 using namespace mpipe_test;
@@ -575,13 +577,13 @@ TEST(Neurons, FusedKernelMatchesTheATenPath_CUDA) {
         return spikes;
       };
       torch::Tensor g_fused, g_aten;
-      const int64_t launches = mpipe::snn::fused_cuda_kernel_launches();
+      const int64_t launches = mpipe::detail::fused_cuda_kernel_launches();
       auto s_fused = run(true, g_fused);
       // T forward kernels and T backward kernels: the CUDA kernel ran, not ATen.
-      EXPECT_EQ(mpipe::snn::fused_cuda_kernel_launches() - launches, 2 * T);
-      const int64_t before_aten = mpipe::snn::fused_cuda_kernel_launches();
+      EXPECT_EQ(mpipe::detail::fused_cuda_kernel_launches() - launches, 2 * T);
+      const int64_t before_aten = mpipe::detail::fused_cuda_kernel_launches();
       auto s_aten = run(false, g_aten);
-      EXPECT_EQ(mpipe::snn::fused_cuda_kernel_launches(), before_aten) << "fused(false) is ATen";
+      EXPECT_EQ(mpipe::detail::fused_cuda_kernel_launches(), before_aten) << "fused(false) is ATen";
       EXPECT_GT(s_aten.sum().item<double>(), 0.0) << "the test should make some spikes";
       if (!low) {
         expect_close(s_fused, s_aten, 0.0, "spikes");

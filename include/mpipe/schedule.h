@@ -56,13 +56,6 @@ inline const char* to_string(Schedule s) {
 
 namespace schedules {
 
-/// Fraction of stage time left idle by forward_only's wavefront with equal
-/// stages: (n - 1) / (m + n - 1).
-inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
-  if (n_items <= 0 || n_stages <= 0) return 0.0;
-  return static_cast<double>(n_stages - 1) / static_cast<double>(n_items + n_stages - 1);
-}
-
 // Note [Programs]
 // ~~~~~~~~~~~~~~~
 // Training schedules. A schedule is a program per worker ("rank"): the
@@ -194,21 +187,6 @@ inline std::vector<Program> gpipe(int64_t n_micro, int64_t n_stages) {
     Program& p = programs[static_cast<size_t>(s)];
     for (int64_t i = 0; i < n_micro; ++i) p.push_back(F(i, s));
     for (int64_t i = 0; i < n_micro; ++i) p.push_back(B(i, s));
-  }
-  return programs;
-}
-
-/// constant_train_step's programs: rank s runs stage s, the forwards of
-/// every time chunk, then their backwards from the last chunk down, since a
-/// chunk's backward takes what the next chunk's sent back through the
-/// stage's state (Note [Chained backward]).
-inline std::vector<Program> chained(int64_t n_chunks, int64_t n_stages) {
-  detail::check_sizes("chained", n_chunks, n_stages);
-  std::vector<Program> programs(static_cast<size_t>(n_stages));
-  for (int64_t s = 0; s < n_stages; ++s) {
-    Program& p = programs[static_cast<size_t>(s)];
-    for (int64_t i = 0; i < n_chunks; ++i) p.push_back(F(i, s));
-    for (int64_t i = n_chunks - 1; i >= 0; --i) p.push_back(B(i, s));
   }
   return programs;
 }
@@ -354,18 +332,6 @@ inline void validate(const std::vector<Program>& programs, int64_t n_stages, int
   }
 }
 
-/// The rank that runs each stage (validated programs).
-inline std::vector<int64_t> stage_ranks(const std::vector<Program>& programs) {
-  std::vector<int64_t> rank;
-  for (size_t r = 0; r < programs.size(); ++r) {
-    for (const Op& op : programs[r]) {
-      if (static_cast<int64_t>(rank.size()) <= op.stage) rank.resize(static_cast<size_t>(op.stage) + 1, -1);
-      rank[static_cast<size_t>(op.stage)] = static_cast<int64_t>(r);
-    }
-  }
-  return rank;
-}
-
 /// The most activation memory a rank holds at once while running `program`:
 /// a (stage, micro-batch) holds `per_stage[stage]` (1 when per_stage is empty)
 /// from its F to its B or W.
@@ -380,11 +346,6 @@ inline double peak_activations(const Program& program, const std::vector<double>
     peak = std::max(peak, live);
   }
   return peak;
-}
-
-/// The most (stage, micro-batch) activations a rank holds at once.
-inline int64_t peak_in_flight(const Program& program) {
-  return static_cast<int64_t>(peak_activations(program));
 }
 
 }  // namespace schedules

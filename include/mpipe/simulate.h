@@ -188,7 +188,7 @@ inline double makespan(const std::vector<Program>& programs, const Costs& costs 
 /// Fraction of rank time left idle when `programs` run as in simulate:
 /// 1 - (sum of operation times) / (ranks * makespan) (ranks sharing a device
 /// count once). For GPipe and 1F1B with equal stages it is
-/// (n - 1) / (m + n - 1), as for forward_only (fill_drain_bubble).
+/// (n - 1) / (m + n - 1), as for forward_only.
 inline double bubble(const std::vector<Program>& programs, const Costs& costs = {},
                      const std::vector<int64_t>& devices = {}) {
   const auto ops = simulate(programs, costs, devices);

@@ -260,10 +260,6 @@ TORCH_MODULE(ParametricLIFNode);
 /// their ATen path on the GPU: the same results, more kernel launches.
 bool fused_cuda_kernels_built() noexcept;
 
-/// How many fused-step CUDA kernels (forward and backward) this process has
-/// launched so far; for tests and diagnostics.
-int64_t fused_cuda_kernel_launches() noexcept;
-
 }  // namespace snn
 }  // namespace mpipe
 

@@ -11,6 +11,7 @@
 
 #include "mpipe/detail/distributed/group.h"
 #include "mpipe/detail/cuda/device_probe.h"
+#include "mpipe/detail/runtime/programs.h"
 #include "mpipe/detail/runtime/rng.h"
 #include "mpipe/detail/runtime/scatter.h"
 #include "mpipe/detail/runtime/streams.h"
@@ -251,7 +252,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   spec.n_items = chunks.count();
   spec.time_chunks = chunks;
   spec.remote = remote;
-  spec.programs = loss_fn ? schedules::chained(spec.n_items, n_stages)
+  spec.programs = loss_fn ? detail::chained(spec.n_items, n_stages)
                           : schedules::forward_only(spec.n_items, n_stages);
   auto in = std::make_shared<const std::vector<Input>>(inputs);
   const Tensors tensors = detail::tensors_of(inputs);

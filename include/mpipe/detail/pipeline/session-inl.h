@@ -13,6 +13,7 @@
 #include "mpipe/detail/distributed/group.h"
 #include "mpipe/detail/cuda/device_probe.h"
 #include "mpipe/detail/precision/autocast.h"
+#include "mpipe/detail/runtime/programs.h"
 #include "mpipe/detail/runtime/rng.h"
 #include "mpipe/detail/runtime/scatter.h"
 #include "mpipe/detail/runtime/streams.h"
@@ -197,9 +198,9 @@ MPIPE_FUNC void ModelPipelineImpl::State::execute(detail::CallSpec& spec, bool t
     recorder = start_recording(
         spec.method, spec.item_name, spec.n_items,
         spec.training ? schedules::bubble(spec.programs)
-                      : schedules::fill_drain_bubble(spec.n_items,
+                      : detail::fill_drain_bubble(spec.n_items,
                                                      static_cast<int64_t>(devices.size())));
-    if (spec.training) recorder->describe_schedule(spec.schedule, schedules::stage_ranks(spec.programs));
+    if (spec.training) recorder->describe_schedule(spec.schedule, detail::stage_ranks(spec.programs));
   }
   spec.recorder = recorder.get();
   executor.run(spec, forwards, threaded);

@@ -26,7 +26,7 @@
 
 namespace mpipe {
 namespace detail {
-/// The fused-step CUDA kernels launched so far (snn::fused_cuda_kernel_launches).
+/// The fused-step CUDA kernels launched so far (fused_cuda_kernel_launches).
 MPIPE_INLINE_VAR std::atomic<int64_t> cuda_launches{0};
 }  // namespace detail
 
@@ -40,13 +40,13 @@ MPIPE_FUNC bool fused_cuda_kernels_built() noexcept {
 #endif
 }
 
-MPIPE_FUNC int64_t fused_cuda_kernel_launches() noexcept {
-  return detail::cuda_launches.load(std::memory_order_relaxed);
-}
-
 }  // namespace snn
 
 namespace detail {
+
+MPIPE_FUNC int64_t fused_cuda_kernel_launches() noexcept {
+  return cuda_launches.load(std::memory_order_relaxed);
+}
 
 // Note [Fused neurons]
 // ~~~~~~~~~~~~~~~~~~~~

@@ -25,5 +25,9 @@ std::pair<at::Tensor, at::Tensor> fused_neuron_step(const at::Tensor& x, const a
 std::pair<at::Tensor, at::Tensor> fused_neuron_steps(const at::Tensor& x, const at::Tensor& v,
                                                      const NeuronSpec& spec);
 
+/// How many fused-step CUDA kernels (forward and backward) this process has
+/// launched so far (the tests count them).
+int64_t fused_cuda_kernel_launches() noexcept;
+
 }  // namespace detail
 }  // namespace mpipe

@@ -1,0 +1,55 @@
+#pragma once
+
+// Private: facts about schedule programs that the runtime, not the user,
+// needs: constant_train_step's programs, which rank runs each stage, the
+// wavefront's bubble, and the activations in flight (the tests check them).
+
+#include <mpipe/schedule.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+/// Fraction of stage time left idle by forward_only's wavefront with equal
+/// stages: (n - 1) / (m + n - 1).
+inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
+  if (n_items <= 0 || n_stages <= 0) return 0.0;
+  return static_cast<double>(n_stages - 1) / static_cast<double>(n_items + n_stages - 1);
+}
+
+/// constant_train_step's programs: rank s runs stage s, the forwards of
+/// every time chunk, then their backwards from the last chunk down, since a
+/// chunk's backward takes what the next chunk's sent back through the
+/// stage's state (Note [Chained backward]).
+inline std::vector<schedules::Program> chained(int64_t n_chunks, int64_t n_stages) {
+  check_sizes("chained", n_chunks, n_stages);
+  std::vector<schedules::Program> programs(static_cast<size_t>(n_stages));
+  for (int64_t s = 0; s < n_stages; ++s) {
+    schedules::Program& p = programs[static_cast<size_t>(s)];
+    for (int64_t i = 0; i < n_chunks; ++i) p.push_back(schedules::F(i, s));
+    for (int64_t i = n_chunks - 1; i >= 0; --i) p.push_back(schedules::B(i, s));
+  }
+  return programs;
+}
+
+/// The rank that runs each stage (validated programs).
+inline std::vector<int64_t> stage_ranks(const std::vector<schedules::Program>& programs) {
+  std::vector<int64_t> rank;
+  for (size_t r = 0; r < programs.size(); ++r) {
+    for (const schedules::Op& op : programs[r]) {
+      if (static_cast<int64_t>(rank.size()) <= op.stage) rank.resize(static_cast<size_t>(op.stage) + 1, -1);
+      rank[static_cast<size_t>(op.stage)] = static_cast<int64_t>(r);
+    }
+  }
+  return rank;
+}
+
+/// The most (stage, micro-batch) activations a rank holds at once.
+inline int64_t peak_in_flight(const schedules::Program& program) {
+  return static_cast<int64_t>(schedules::peak_activations(program));
+}
+
+}  // namespace detail
+}  // namespace mpipe
