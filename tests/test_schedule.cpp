@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <mpipe/schedule.h>
+#include <mpipe/simulate.h>
 
 #include "mpipe/detail/runtime/programs.h"  // the runtime's facts about programs
 

@@ -9,6 +9,7 @@
 
 #include <mpipe/model_pipeline.h>
 #include <mpipe/schedule.h>
+#include <mpipe/simulate.h>
 
 #include <torch/nn/modules/container/sequential.h>
 

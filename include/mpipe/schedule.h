@@ -7,7 +7,7 @@
 // tensors and no threads, so they are tested exactly; the runtime follows
 // them (docs/design.md, "One runtime"). Bad arguments throw c10::ValueError.
 // Running programs in time (StageCost, simulate, makespan, bubble) is
-// mpipe/simulate.h, which this header includes at its end.
+// mpipe/simulate.h, which includes this header.
 
 #include <c10/util/Exception.h>
 
@@ -366,8 +366,5 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
 }
 
 }  // namespace mpipe
-
-// After the programs it runs: `#include <mpipe/schedule.h>` gives simulate too.
-#include <mpipe/simulate.h>
 
 #endif  // MPIPE_SCHEDULE_H_

@@ -7,6 +7,7 @@
 // is reduced over the batch; and the automatic choice of schedule.
 
 #include <mpipe/schedule.h>
+#include <mpipe/simulate.h>
 #include <mpipe/split.h>
 
 #include <ATen/core/Tensor.h>

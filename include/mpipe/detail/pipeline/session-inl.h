@@ -18,6 +18,7 @@
 #include "mpipe/detail/runtime/scatter.h"
 #include "mpipe/detail/runtime/streams.h"
 
+#include "mpipe/simulate.h"
 #include "mpipe/state.h"
 
 #include <ATen/Functions.h>

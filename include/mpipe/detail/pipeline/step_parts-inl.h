@@ -8,6 +8,7 @@
 
 #include "mpipe/model_pipeline.h"
 #include "mpipe/schedule.h"
+#include "mpipe/simulate.h"
 #include "mpipe/training.h"
 #include "mpipe/detail/distributed/remote.h"
 #include "mpipe/detail/runtime/errors.h"

@@ -15,6 +15,7 @@
 #include "mpipe/detail/runtime/split_backward.h"
 #include "mpipe/detail/runtime/streams.h"
 
+#include "mpipe/simulate.h"
 #include "mpipe/state.h"
 
 #include <ATen/Functions.h>
