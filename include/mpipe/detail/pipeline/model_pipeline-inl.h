@@ -324,6 +324,16 @@ MPIPE_FUNC c10::Device ModelPipelineImpl::output_device() const {
   return state_->devices.back();
 }
 
+// Note [Moving a pipeline]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A pipeline's placement is its point: each stage sits on the device it was
+// appended to, and every call follows that map. Module::to(device) would
+// move every stage onto one device and silently undo it, so to(device) and
+// to(device, dtype) are refused unless every stage is already there (then
+// nothing moves), with a message that says what to do instead. to(dtype)
+// casts each stage where it is. Every cast drops the cached CUDA graphs, whose
+// captured addresses the new parameter storage no longer matches; so does
+// load(), which puts each stage back on its device.
 namespace detail {
 MPIPE_FUNC void check_placement_kept(const std::vector<c10::Device>& devices, c10::Device device,
                                      const char* what) {

@@ -145,7 +145,8 @@ struct ModelPipelineImpl::State {
                                  const at::Tensor& target, const LossFunction& loss_fn,
                                  int64_t chunk, const std::optional<Split>& split,
                                  bool graphable_call);
-  /// Their plans (pure: they build, nothing runs).
+  /// Their plans: they read the pipeline's state and build the executor's
+  /// CallSpec; nothing runs.
   Plan plan_forward(const detail::CallInfo& info, const std::vector<Input>& inputs,
                     detail::RemoteCall* remote);
   /// constant_forward's, or with `loss_fn` constant_train_step's (the loss of

@@ -40,14 +40,15 @@ MPIPE_FUNC ModelPipelineImpl::State::State(ModelPipelineImpl& owner)
 // Every call kind is data (CallKind): how to check and describe a call from
 // its inputs and options (describe: a CallInfo, the same on every rank
 // across processes), what every rank checks given that description (check),
-// and a plan (plan: the executor's detail::CallSpec, with the items, the programs,
+// and a plan (plan: the executor's CallSpec, with the items, the programs,
 // where inputs come from and outputs go, and how to hand results back). One
 // session, run_call, runs any kind: the call prologue (guarded), across
 // processes the first rank's description told to every rank, else a CUDA
 // graph's replay where the call allows one, and the plan through the
 // executor (run_plan: the timeline recorded around it). So a public method
-// checks its arguments and names its kind; the methods below it build the
-// kind, a few lines each (calls-inl.h, train_steps-inl.h).
+// checks its arguments and names its kind; the kinds, with their describe,
+// check and plan steps, are in calls-inl.h (the forward-type calls) and
+// train_steps-inl.h (the training steps).
 
 namespace detail {
 /// Sets a flag for its lifetime.

@@ -40,24 +40,27 @@ class RemoteCall;         // remote.h
 // (forward, constant_forward, sequence_forward) are programs of forwards only
 // (schedules::forward_only) over one autograd graph; training steps cut the
 // graph at stage boundaries (Note [Training runtime]): train_step's programs
-// come from its schedule, constant_train_step's are schedules::chained, whose
-// B(t, s) runs chunk t's part of stage s's graph (Note [Chained backward]).
+// come from its schedule, constant_train_step's from detail::chained
+// (runtime/programs.h), whose B(t, s) runs chunk t's part of stage s's graph
+// (Note [Chained backward]).
 //
 // The executor runs the programs, threaded (program k on shared worker k) or
 // inline (the caller runs the actions in schedules::simulate's start order,
 // in which every input exists before it is needed). An action's inputs come
 // from the Transport (Note [Transport]): activations from the previous stage,
 // gradients from the next, skip tensors from their stasher (Note [Skip
-// connections]); the call's inputs enter stage 0 from the caller. So this
-// file has the one failure path (the first error is kept, the transport is
-// aborted so no stage waits, the caller rethrows it naming the stage, its
-// device, the item and the phase), the one place that records timeline tasks
-// (forward, recompute, backward and its halves here, copies in the
-// transport), and moves no data itself.
+// connections]); the call's inputs enter stage 0 from the caller. So the
+// executor (executor-inl.h, actions-inl.h, executor_run.h) has the one
+// failure path (the first error is kept, the transport is aborted so no
+// stage waits, the caller rethrows it naming the stage, its device, the item
+// and the phase), the one place that records timeline tasks (forward,
+// recompute, backward and its halves here, copies in the transport), and
+// moves no data itself.
 //
 // Around every stage call the executor sets: the stage's compute stream, the
-// item as MicroBatch (micro-batched calls) or micro-batch 0 of 1 (time
-// steps), the random draws of (stage, item) (Note [Random draws]) and the
+// item's MicroBatch (micro_batch_of: the item itself in micro-batched calls;
+// in time-step calls its micro-batch of the split, or 0 of 1 without one),
+// the random draws of (stage, item) (Note [Random draws]) and the
 // call's skip scope.
 
 struct CallSpec {
