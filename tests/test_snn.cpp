@@ -841,6 +841,37 @@ TEST(Monitor, FiringRatesPerLayerThroughAPipeline) {
   EXPECT_EQ(neuron->spike_count().second, 0) << "counting stopped with the monitor";
 }
 
+// Two monitors on one model: the neuron keeps one count, the newer monitor's.
+TEST(Monitor, AnOvertakenMonitorReadsTheNewerOnesCounts) {
+  using mpipe::snn::FiringRateMonitor;
+  torch::manual_seed(11);
+  const int64_t T = 4, N = 6;
+  torch::nn::Sequential stage(torch::nn::Linear(8, 10), LIFNode());
+  auto pipe = ModelPipeline();
+  pipe->append(stage, "cpu");
+  const auto x = torch::rand({N, 8}) * 2;
+  auto older = std::make_unique<FiringRateMonitor>(*pipe);
+  pipe->constant_forward(x, T);
+  EXPECT_EQ(older->rates()[0].elements, T * N * 10);
+  {
+    FiringRateMonitor newer(*pipe);  // takes the neuron over: its count starts afresh
+    EXPECT_EQ(older->rates()[0].elements, 0) << "the older monitor reads the newer one's count";
+    pipe->constant_forward(x, T);
+    EXPECT_EQ(newer.rates()[0].elements, T * N * 10);
+    EXPECT_EQ(older->rates()[0].elements, newer.rates()[0].elements);
+    EXPECT_EQ(older->rates()[0].spikes, newer.rates()[0].spikes);
+    older->reset();  // clears the one count
+    EXPECT_EQ(newer.rates()[0].elements, 0);
+    older.reset();  // the older monitor's end leaves the neuron counting for the newer one
+    pipe->constant_forward(x, T);
+    EXPECT_EQ(newer.rates()[0].elements, T * N * 10);
+  }
+  auto* neuron = stage[1]->as<mpipe::snn::LIFNodeImpl>();
+  ASSERT_NE(neuron, nullptr);
+  pipe->constant_forward(x, T);
+  EXPECT_EQ(neuron->spike_count().second, T * N * 10) << "the newer monitor's end stopped counting";
+}
+
 // poisson_encode_unchecked: SpikingJelly's rule, any value.
 TEST(Encoding, UncheckedPoissonTakesAnyValue) {
   torch::manual_seed(10);

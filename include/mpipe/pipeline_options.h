@@ -116,14 +116,17 @@ struct ModelPipelineOptions {
   /// equal a plain loop run on each micro-batch; they differ from the whole
   /// batch's where a layer depends on the rows it sees (BatchNorm's batch
   /// statistics, SpikingConvBlock in training). 0 (the default) chooses: the
-  /// whole batch, except for multi-step stages spread over D devices (or
-  /// ranks) whose time chunks give fewer than 2 items per device (T < 2D
+  /// whole batch, except for multi-step stages spread over D devices (the
+  /// distinct devices of the stages, the CPU counting as one device like each
+  /// GPU; across processes, the ranks) whose time chunks give fewer than 2
+  /// items per device (T < 2D
   /// with the default chunk), in calls that start from reset state
   /// (constant_train_step, reset_state_each_call); then about 4 items per
   /// device, min(batch, ceil(4D / chunks)) micro-batches. Measured: the speed-up depends on the
   /// item count, not on how items are cut, and 4 per device reached 82 % of
-  /// the ideal (bench/RESULTS.md). 1 never cuts the batch. See Note
-  /// [Micro-batches over time].
+  /// the ideal (bench/RESULTS.md). 1 never cuts the batch. A negative value
+  /// is refused by each of those calls (c10::Error naming the call and the
+  /// value). See Note [Micro-batches over time].
   TORCH_ARG(int64_t, time_micro_batches) = 0;
   /// Record every task of each call (stage, item, forward / backward /
   /// recompute / copy, start, end, device) for ModelPipelineImpl::timeline();

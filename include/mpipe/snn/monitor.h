@@ -42,8 +42,10 @@ struct LayerRate {
 
 /// Counts the spikes of every neuron (IFNode, LIFNode, ParametricLIFNode) of
 /// a model while it lives: firing rates per layer since it started or since
-/// reset(). A neuron counts for one monitor at a time: the last one made
-/// takes it over (its count starts afresh), and an older monitor's end leaves it counting.
+/// reset(). A neuron keeps one count, for one monitor at a time: the last
+/// one made takes it over (the count starts afresh), and an older monitor's
+/// end leaves it counting. An overtaken monitor still reads that one count:
+/// its rates() are the newer monitor's, and its reset() clears them.
 class FiringRateMonitor {
  public:
   /// Starts counting in every neuron of `model` (the model itself included).
