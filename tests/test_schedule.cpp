@@ -60,10 +60,10 @@ TEST(Schedule, ForwardOnlyRefusesEmptySizes) {
   EXPECT_THROW(sch::forward_only(-1, 2), c10::Error);
 }
 
+// The fill-drain bubble of forward programs, which timelines report.
 TEST(Schedule, BubbleFraction) {
-  EXPECT_DOUBLE_EQ(mpipe::detail::fill_drain_bubble(8, 4), 3.0 / 11.0);
-  EXPECT_DOUBLE_EQ(mpipe::detail::fill_drain_bubble(1, 1), 0.0);
-  EXPECT_DOUBLE_EQ(mpipe::detail::fill_drain_bubble(0, 4), 0.0);
+  EXPECT_DOUBLE_EQ(sch::bubble(sch::forward_only(8, 4)), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(sch::bubble(sch::forward_only(1, 1)), 0.0);
 }
 
 // ---------------------------------------------------------------------------

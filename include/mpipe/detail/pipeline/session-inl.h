@@ -197,11 +197,10 @@ MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::agree(
 MPIPE_FUNC void ModelPipelineImpl::State::execute(detail::CallSpec& spec, bool threaded) {
   std::shared_ptr<detail::Recorder> recorder;
   if (self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
-    recorder = start_recording(
-        spec.method, spec.item_name, spec.n_items,
-        spec.training ? schedules::bubble(spec.programs)
-                      : detail::fill_drain_bubble(spec.n_items,
-                                                     static_cast<int64_t>(devices.size())));
+    // The schedule's idle fraction with unit costs, training or not (forward
+    // programs give the fill-drain (n - 1) / (m + n - 1)).
+    recorder = start_recording(spec.method, spec.item_name, spec.n_items,
+                               schedules::bubble(spec.programs));
     if (spec.training) recorder->describe_schedule(spec.schedule, detail::stage_ranks(spec.programs));
   }
   spec.recorder = recorder.get();

@@ -1,8 +1,8 @@
 #pragma once
 
 // Private: facts about schedule programs that the runtime, not the user,
-// needs: constant_train_step's programs, which rank runs each stage, the
-// wavefront's bubble, and the activations in flight (the tests check them).
+// needs: constant_train_step's programs, which rank runs each stage, and the
+// activations in flight (the tests check them).
 
 #include <mpipe/schedule.h>
 
@@ -11,13 +11,6 @@
 
 namespace mpipe {
 namespace detail {
-
-/// Fraction of stage time left idle by forward_only's wavefront with equal
-/// stages: (n - 1) / (m + n - 1).
-inline double fill_drain_bubble(int64_t n_items, int64_t n_stages) {
-  if (n_items <= 0 || n_stages <= 0) return 0.0;
-  return static_cast<double>(n_stages - 1) / static_cast<double>(n_items + n_stages - 1);
-}
 
 /// constant_train_step's programs: rank s runs stage s, the forwards of
 /// every time chunk, then their backwards from the last chunk down, since a
