@@ -90,14 +90,19 @@ MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append_stage(
 
 namespace detail {
 
-MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method, const at::Tensor& x,
-                               bool time_major = false) {
+MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method) {
   // Across processes the first rank checks its inputs inside the call, and
   // a rank without stages is named to every rank at the first call, so that
   // every rank hears of it (Note [Cross-process calls]).
   if (p.options.process_group().defined()) return;
   TORCH_CHECK(!p.is_empty(), "mpipe::ModelPipeline::", method,
               ": the pipeline has no stages; add them with append(module, device)");
+}
+
+MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method, const at::Tensor& x,
+                               bool time_major = false) {
+  check_runnable(p, method);
+  if (p.options.process_group().defined()) return;  // as above
   TORCH_CHECK(x.defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
   if (time_major) {
     TORCH_CHECK(x.dim() >= 2, "mpipe::ModelPipeline::", method,
@@ -111,12 +116,6 @@ MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method, c
   TORCH_CHECK(x.size(batch_dim) > 0, "mpipe::ModelPipeline::", method,
               ": the input's batch is empty (size 0 along dim ", batch_dim, "), shape ",
               x.sizes());
-}
-
-MPIPE_FUNC void check_runnable(const ModelPipelineImpl& p, const char* method) {
-  if (p.options.process_group().defined()) return;  // as above
-  TORCH_CHECK(!p.is_empty(), "mpipe::ModelPipeline::", method,
-              ": the pipeline has no stages; add them with append(module, device)");
 }
 
 /// The call's time chunk: 0 for single-step stages, detail::kAutoChunk for

@@ -91,40 +91,44 @@ MPIPE_FUNC void check_programs(const std::vector<schedules::Program>& programs, 
   }
 }
 
+/// TrainStepOptions' values against this pipeline; bad ones throw
+/// c10::ValueError, as check_programs does.
 MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
   const bool interleaved =
       step.schedule() == Schedule::Interleaved1F1B || step.schedule() == Schedule::Auto;
-  TORCH_CHECK(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ", v);
-  TORCH_CHECK(v == 1 || interleaved, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
-              " applies to Schedule::Interleaved1F1B and Schedule::Auto, not ",
-              to_string(step.schedule()));
-  TORCH_CHECK(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
-              " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
-              "n_stages / virtual_stages))");
+  TORCH_CHECK_VALUE(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ",
+                    v);
+  TORCH_CHECK_VALUE(v == 1 || interleaved, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+                    " applies to Schedule::Interleaved1F1B and Schedule::Auto, not ",
+                    to_string(step.schedule()));
+  TORCH_CHECK_VALUE(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
+                    " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
+                    "n_stages / virtual_stages))");
   const auto& costs = step.stage_costs();
-  TORCH_CHECK(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
-              "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),
-              " entries for ", n_stages, " stages (give one, or one per stage)");
+  TORCH_CHECK_VALUE(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
+                    "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),
+                    " entries for ", n_stages, " stages (give one, or one per stage)");
   for (size_t s = 0; s < costs.size(); ++s) {
     const auto& c = costs[s];
-    TORCH_CHECK(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
-                    c.transfer >= 0,
-                "mpipe::ModelPipeline::train_step: stage_costs[", s,
-                "] has a negative or NaN cost (forward ", c.forward, ", backward_input ",
-                c.backward_input, ", backward_weight ", c.backward_weight, ", transfer ",
-                c.transfer, ")");
+    TORCH_CHECK_VALUE(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
+                          c.transfer >= 0,
+                      "mpipe::ModelPipeline::train_step: stage_costs[", s,
+                      "] has a negative or NaN cost (forward ", c.forward, ", backward_input ",
+                      c.backward_input, ", backward_weight ", c.backward_weight, ", transfer ",
+                      c.transfer, ")");
   }
   const auto& bytes = step.activation_bytes();
-  TORCH_CHECK(bytes.empty() || static_cast<int64_t>(bytes.size()) == n_stages,
-              "mpipe::ModelPipeline::train_step: activation_bytes has ", bytes.size(),
-              " entries for ", n_stages, " stages");
+  TORCH_CHECK_VALUE(bytes.empty() || static_cast<int64_t>(bytes.size()) == n_stages,
+                    "mpipe::ModelPipeline::train_step: activation_bytes has ", bytes.size(),
+                    " entries for ", n_stages, " stages");
   for (size_t s = 0; s < bytes.size(); ++s) {
-    TORCH_CHECK(bytes[s] >= 0, "mpipe::ModelPipeline::train_step: activation_bytes[", s,
-                "] must be >= 0, got ", bytes[s]);
+    TORCH_CHECK_VALUE(bytes[s] >= 0, "mpipe::ModelPipeline::train_step: activation_bytes[", s,
+                      "] must be >= 0, got ", bytes[s]);
   }
-  TORCH_CHECK(step.memory_limit() >= 0, "mpipe::ModelPipeline::train_step: memory_limit must be "
-              ">= 0 (0: no limit), got ", step.memory_limit());
+  TORCH_CHECK_VALUE(step.memory_limit() >= 0,
+                    "mpipe::ModelPipeline::train_step: memory_limit must be >= 0 (0: no limit), "
+                    "got ", step.memory_limit());
 }
 
 /// A label per stage: stages on one device share it.
@@ -147,6 +151,12 @@ MPIPE_FUNC void check_grad_mode(const char* method) {
   TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
               "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
               "InferenceMode is active); a training step needs them");
+}
+
+/// A training step's loss function, checked where the loss is taken (the
+/// last rank across processes).
+MPIPE_FUNC void check_loss_fn(const char* method, const LossFunction& loss_fn) {
+  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::", method, ": loss_fn is empty");
 }
 
 // Note [Data parallel replicas]

@@ -118,7 +118,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
                   "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
                   info.batch, ") along dim 0, got ",
                   target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
-      TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::train_step: loss_fn is empty");
+      detail::check_loss_fn("train_step", loss_fn);
     }
     if (remote && !remote->first()) {  // the first rank's programs, or none, on every rank
       const bool given = info.schedule == detail::kGivenPrograms;
@@ -261,8 +261,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::constant_train_step(
     detail::check_grad_mode("constant_train_step");
     if (self.is_training()) check_checkpointable_steps(info);
     if (!remote || remote->last()) {
-      TORCH_CHECK(static_cast<bool>(loss_fn),
-                  "mpipe::ModelPipeline::constant_train_step: loss_fn is empty");
+      detail::check_loss_fn("constant_train_step", loss_fn);
     }
   };
   kind.plan = [&](const detail::CallInfo& info, const std::vector<Input>& in,
