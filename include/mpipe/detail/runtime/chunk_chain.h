@@ -5,8 +5,8 @@
 // Note [Chained backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // constant_train_step runs like train_step: F(t, s) for every time chunk t,
-// then B(t, s) from the last chunk down (schedules::chained), with the graph
-// cut at stage boundaries by leaves. Inside a stage, though, the chunks stay
+// then B(t, s) from the last chunk down (detail::chained, runtime/programs.h),
+// with the graph cut at stage boundaries by leaves. Inside a stage, though, the chunks stay
 // linked: a stateful module's chunk t + 1 reads the state chunk t left, and
 // that state is the module's own (Stateful's is opaque), so no leaf can cut
 // it. B(t, s) therefore runs autograd's engine on chunk t's own nodes only:
