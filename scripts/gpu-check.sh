@@ -2,7 +2,7 @@
 # On a CUDA machine whose LibTorch is python3's torch (the project's GPU machine):
 # builds mpipe against it and runs the steps named in MPIPE_GPU_STEPS (default:
 # "tests snn"): tests = every ctest test plus the GPU tests verbosely;
-# mlp = the pipelined-MLP example; mlpfm = the Fashion-MNIST MLP training;
+# mlpfm = the Fashion-MNIST MLP training;
 # bf16 = the bf16 rows and the transformer beside the reference class;
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench (only the workloads in MPIPE_BENCH_ONLY, if set) beside
@@ -101,9 +101,6 @@ if [[ " $steps " == *" profile "* ]]; then
     --reps 5 --warmup 2 --profile /tmp/mpipe-profile --json '$out/profile_bench.json' 2>&1 | tee -a '$log' \
     && python3 bench/trace_summary.py /tmp/mpipe-profile > '$out/profile.txt'"
   [ -d /tmp/mpipe-profile ] && tar -czf "$out/profiles.tar.gz" -C /tmp mpipe-profile
-fi
-if [[ " $steps " == *" mlp "* ]]; then
-  step pipelined_mlp bash -o pipefail -c "'$bin/examples/pipelined_mlp/pipelined_mlp' 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" mlpfm "* ]]; then
   step mlp_fashion_mnist bash -o pipefail -c "timeout ${MPIPE_MLP_TIMEOUT:-300} \
