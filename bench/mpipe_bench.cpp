@@ -162,7 +162,7 @@ struct Timer {
   /// Waits for every GPU, not just the current one: stages may sit on several.
   void sync() const {
     if (!cuda) return;
-    for (int64_t d = 0; d < mpipe::cuda_device_count(); ++d) torch::cuda::synchronize(d);
+    for (int64_t d = 0; d < static_cast<int64_t>(torch::cuda::device_count()); ++d) torch::cuda::synchronize(d);
   }
 };
 
@@ -183,7 +183,7 @@ void guarded(json& r, const std::string& key, const std::function<double()>& tim
 std::vector<torch::Device> placement(const torch::Device& device, int64_t n) {
   // One GPU: every stage on it; N >= n GPUs: stage i on cuda:i.
   std::vector<torch::Device> out;
-  const int64_t gpus = mpipe::cuda_device_count();
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   for (int64_t i = 0; i < n; ++i) {
     out.push_back(device.is_cuda() && gpus >= n
                       ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i))
@@ -653,7 +653,7 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
 json scaling_workload(const Timer& timer, const torch::Device& device, int64_t width,
                       int64_t layers_per_stage, int64_t batch, bool inline_host) {
   json out = json::array();
-  const int64_t gpus = device.is_cuda() ? mpipe::cuda_device_count() : 1;
+  const int64_t gpus = device.is_cuda() ? static_cast<int64_t>(torch::cuda::device_count()) : 1;
   std::map<int64_t, double> one_gpu_ms;  // by micro-batch count
   for (int64_t g : {1, 2, 4}) {
     if (g > gpus) break;
@@ -883,7 +883,7 @@ int main(int argc, char** argv) {
                  "with --count-ops: each call's operations by name into this folder");
   CLI11_PARSE(app, argc, argv);
 
-  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && mpipe::cuda_device_count() > 0);
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && static_cast<int64_t>(torch::cuda::device_count()) > 0);
   const torch::Device device = cuda ? torch::Device("cuda:0") : torch::Device(torch::kCPU);
   if (!cuda) cfg.cpu_sizes = true;
   if (cuda) {  // fp32, TF32 off, as the reference runner
@@ -1012,7 +1012,7 @@ int main(int argc, char** argv) {
   // wide-mlp's training throughput on 1, 2 and 4 GPUs: by default only where
   // there are several.
   const bool named_scaling = ("," + cfg.only + ",").find(",scaling,") != std::string::npos;
-  if (named_scaling || (cfg.only.empty() && cuda && mpipe::cuda_device_count() >= 2)) {
+  if (named_scaling || (cfg.only.empty() && cuda && static_cast<int64_t>(torch::cuda::device_count()) >= 2)) {
     report("scaling", small ? scaling_workload(timer, device, 256, 2, 256, cfg.inline_host)
                             : scaling_workload(timer, device, 8192, 2, 8192, cfg.inline_host));
   }

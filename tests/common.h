@@ -17,9 +17,9 @@ namespace mpipe_test {
 /// Skips the test unless `n` CUDA devices are visible.
 #define MPIPE_REQUIRE_CUDA(n)                                                        \
   do {                                                                                \
-    if (mpipe::cuda_device_count() < (n))                                             \
+    if (static_cast<int64_t>(torch::cuda::device_count()) < (n))                                             \
       GTEST_SKIP() << "needs " << (n) << " CUDA device(s), "                          \
-                   << mpipe::cuda_device_count() << " visible";                       \
+                   << static_cast<int64_t>(torch::cuda::device_count()) << " visible";                       \
   } while (0)
 
 /// A stage of Linear + Tanh layers (smooth, so gradients are informative).

@@ -15,7 +15,7 @@
 // `build/tests/mpipe_tests --gtest_filter=Name`.
 #include <gtest/gtest.h>
 
-#include <mpipe/device.h>
+#include <torch/cuda.h>
 #include <mpipe/version.h>
 
 #include <cstdio>
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   if (!::testing::GTEST_FLAG(list_tests)) {
     std::printf("mpipe %s tests; CUDA devices visible: %lld\n", MPIPE_VERSION_STRING,
-                static_cast<long long>(mpipe::cuda_device_count()));
+                static_cast<long long>(torch::cuda::device_count()));
     if (const char* dir = std::getenv("MPIPE_TEST_RESULTS")) {
       ::testing::UnitTest::GetInstance()->listeners().Append(new ResultFiles(dir));
     }

@@ -14,6 +14,12 @@ namespace balance = mpipe::balance;
 
 namespace {
 
+/// The largest block sum of the split `sizes` of `costs`.
+double max_block_cost(const std::vector<double>& costs, const std::vector<int64_t>& sizes) {
+  const auto sums = balance::stage_sums(costs, sizes);
+  return *std::max_element(sums.begin(), sums.end());
+}
+
 /// Smallest largest-block sum over every split of `costs` into n blocks.
 double brute_force(const std::vector<double>& costs, int64_t n) {
   double best = std::numeric_limits<double>::infinity();
@@ -22,7 +28,7 @@ double brute_force(const std::vector<double>& costs, int64_t n) {
     const auto L = static_cast<int64_t>(costs.size());
     if (left == 1) {
       sizes.push_back(L - at);
-      best = std::min(best, balance::max_block_cost(costs, sizes));
+      best = std::min(best, max_block_cost(costs, sizes));
       sizes.pop_back();
       return;
     }
@@ -47,7 +53,7 @@ TEST(Balance, PartitionIsOptimalAgainstBruteForce) {
     for (int64_t i = 0; i < L; ++i) costs.push_back(static_cast<double>(rng() % 20));  // exact sums
     const auto sizes = balance::partition(costs, n);
     ASSERT_EQ(static_cast<int64_t>(sizes.size()), n);
-    EXPECT_EQ(balance::max_block_cost(costs, sizes), brute_force(costs, n))
+    EXPECT_EQ(max_block_cost(costs, sizes), brute_force(costs, n))
         << "trial " << trial << ", " << L << " layers, " << n << " blocks";
   }
 }
@@ -59,15 +65,15 @@ TEST(Balance, KnownSplits) {
   EXPECT_EQ(balance::partition({1, 1, 1, 1}, 2), (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(balance::partition({3, 0, 0}, 3), (std::vector<int64_t>{1, 1, 1}));
   EXPECT_EQ(balance::partition({2, 2, 2}, 1), (std::vector<int64_t>{3}));
-  EXPECT_DOUBLE_EQ(balance::max_block_cost({1, 2, 3, 4}, {2, 2}), 7.0);
+  EXPECT_DOUBLE_EQ(max_block_cost({1, 2, 3, 4}, {2, 2}), 7.0);
 }
 
 TEST(Balance, BadInputsAreRefused) {
   MPIPE_EXPECT_ERROR(balance::partition({1, 2}, 3), "2 layer(s) cannot fill 3 non-empty blocks");
   MPIPE_EXPECT_ERROR(balance::partition({1, 2}, 0), "at least one block, got 0");
   MPIPE_EXPECT_ERROR(balance::partition({1, -2}, 1), "cost of layer 1", "got -2");
-  MPIPE_EXPECT_ERROR(balance::max_block_cost({1, 2, 3}, {1, 1}), "hold 2 layers, not the 3");
-  MPIPE_EXPECT_ERROR(balance::max_block_cost({1, 2, 3}, {2, 0, 1}), "block 1", "got 0");
+  MPIPE_EXPECT_ERROR(balance::stage_sums({1, 2, 3}, {1, 1}), "hold 2 layer(s), the values are of 3");
+  MPIPE_EXPECT_ERROR(balance::stage_sums({1, 2, 3}, {2, 0, 1}), "stage 1", "got 0");
 }
 
 TEST(Balance, FromSequentialSplitsTheLayersAsAsked) {

@@ -146,7 +146,7 @@ TEST(Placement, MixedCpuAndGpuStages_CUDA) {
 
 TEST(Placement, DevicesAndMoves_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
-  const int64_t n = mpipe::cuda_device_count();
+  const int64_t n = static_cast<int64_t>(torch::cuda::device_count());
   auto pipe = ModelPipeline();
   pipe->append(torch::nn::Linear(3, 3), 0).append(torch::nn::Linear(3, 3), "0");
   pipe->append(torch::nn::Linear(3, 3), "cuda:0");
@@ -370,7 +370,7 @@ TEST(Devices, SpellingsResolve) {
   EXPECT_EQ(mpipe::resolve_device("cpu"), torch::Device(torch::kCPU));
   EXPECT_EQ(mpipe::resolve_device(torch::kCPU), torch::Device(torch::kCPU));
   EXPECT_EQ(mpipe::resolve_device(torch::Device("cpu")), torch::Device(torch::kCPU));
-  if (mpipe::cuda_device_count() > 0) {
+  if (static_cast<int64_t>(torch::cuda::device_count()) > 0) {
     EXPECT_EQ(mpipe::resolve_device("0"), torch::Device("cuda:0"));
     EXPECT_EQ(mpipe::resolve_device(0), torch::Device("cuda:0"));
     EXPECT_EQ(mpipe::resolve_device("cuda:0"), torch::Device("cuda:0"));
@@ -384,7 +384,7 @@ TEST(Devices, BadDevicesAreRefusedClearly) {
   MPIPE_EXPECT_ERROR(mpipe::resolve_device(""), "unknown device string");
   MPIPE_EXPECT_ERROR(mpipe::resolve_device(-1), "must be >= 0, got -1");
   MPIPE_EXPECT_ERROR(mpipe::resolve_device("meta"), "not supported");
-  const int64_t n = mpipe::cuda_device_count();
+  const int64_t n = static_cast<int64_t>(torch::cuda::device_count());
   MPIPE_EXPECT_ERROR(mpipe::resolve_device(static_cast<int>(n) + 7), "CUDA");
   MPIPE_EXPECT_ERROR(mpipe::resolve_device("cuda:" + std::to_string(n + 3)), "CUDA");
   MPIPE_EXPECT_ERROR(mpipe::resolve_device(std::to_string(n + 1)), "CUDA");

@@ -84,7 +84,7 @@ std::string describe(const std::vector<sch::Program>& programs) {
   std::string s;
   for (size_t r = 0; r < programs.size(); ++r) {
     s += "rank " + std::to_string(r) + ":";
-    for (const auto& op : programs[r]) s += " " + sch::to_string(op);
+    for (const auto& op : programs[r]) s += " " + c10::str(op);
     s += "\n";
   }
   return s;

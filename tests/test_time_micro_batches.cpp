@@ -140,11 +140,13 @@ torch::Tensor squared_error(const torch::Tensor& out, const torch::Tensor& y) {
 }
 
 /// Rows per micro-batch of `split` for a batch of N (as the pipeline reads it).
-int64_t rows_of(const Split& split, int64_t N) { return split.rows("test", N); }
+int64_t rows_of(const Split& split, int64_t N) {
+  return split.by_count() ? (N - 1) / split.value() + 1 : split.value();
+}
 
 std::string describe(int64_t k, const Split& split, bool threads) {
-  return "chunk " + std::to_string(k) + " " + split.name() + " " + std::to_string(split.value()) +
-         " threads=" + std::to_string(threads);
+  return "chunk " + std::to_string(k) + " " + (split.by_count() ? "chunks" : "split_size") + " " +
+         std::to_string(split.value()) + " threads=" + std::to_string(threads);
 }
 
 }  // namespace

@@ -20,9 +20,9 @@ using mpipe::Timeline;
 namespace {
 
 /// Tasks of `kind` by (stage, item).
-std::map<std::pair<int64_t, int64_t>, mpipe::TimelineTask> by_stage_item(const Timeline& t,
+std::map<std::pair<int64_t, int64_t>, mpipe::Timeline::Task> by_stage_item(const Timeline& t,
                                                                          TaskKind kind) {
-  std::map<std::pair<int64_t, int64_t>, mpipe::TimelineTask> out;
+  std::map<std::pair<int64_t, int64_t>, mpipe::Timeline::Task> out;
   for (const auto& task : t.tasks) {
     if (task.kind != kind) continue;
     EXPECT_TRUE(out.emplace(std::make_pair(task.stage, task.item), task).second)
@@ -213,7 +213,7 @@ TEST(Timeline, AndMemoryReportOnTheGpu_CUDA) {
   pipe->train_step(x, torch::zeros({512, 1}, g), loss_fn, 64);
   const mpipe::Timeline t = pipe->timeline();
   ASSERT_EQ(t.tasks.size(), 64u);  // 8 micro-batches x 4 stages x (F, B)
-  std::map<std::pair<int64_t, int64_t>, mpipe::TimelineTask> f;
+  std::map<std::pair<int64_t, int64_t>, mpipe::Timeline::Task> f;
   for (const auto& task : t.tasks) {
     EXPECT_EQ(task.device, g);
     EXPECT_GE(task.start_ms, 0.0);

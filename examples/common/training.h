@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
@@ -37,7 +38,7 @@ namespace examples {
 ///   a comma-separated list such as "cuda:0,cuda:1,cpu", used cyclically.
 inline std::vector<torch::Device> stage_devices(const std::string& spec, int64_t n_stages) {
   std::vector<std::string> names;
-  const int64_t gpus = mpipe::cuda_device_count();
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   if (spec == "auto" || spec == "cuda") {
     if (gpus == 0 && spec == "cuda") {
       throw std::runtime_error("--devices cuda: no CUDA device is visible; use --devices cpu");

@@ -25,9 +25,6 @@ namespace balance {
 /// optimal splits it returns the one whose earlier blocks are longest.
 std::vector<int64_t> partition(const std::vector<double>& costs, int64_t n_blocks);
 
-/// The largest block sum of the split `sizes` of `costs` (sizes checked).
-double max_block_cost(const std::vector<double>& costs, const std::vector<int64_t>& sizes);
-
 /// A pipeline whose stage i holds the next sizes[i] layers of `layers`, on
 /// devices[i]. Throws c10::Error when sizes do not add up to the layer count,
 /// a size is not positive, or there are not as many sizes as devices. The

@@ -54,9 +54,6 @@ class DeviceArg {
 /// what was wrong and how to fix it.
 c10::Device resolve_device(const DeviceArg& arg);
 
-/// Number of CUDA devices this process sees (0 with a CPU-only LibTorch).
-int64_t cuda_device_count();
-
 }  // namespace mpipe
 
 #endif  // MPIPE_DEVICE_H_

@@ -116,25 +116,12 @@ inline Op W(int64_t micro_batch, int64_t stage) {
   return Op{OpKind::BackwardWeight, micro_batch, stage};
 }
 
-/// "F", "B", "I" or "W".
-inline const char* to_string(OpKind kind) {
-  switch (kind) {
-    case OpKind::Forward: return "F";
-    case OpKind::Backward: return "B";
-    case OpKind::BackwardInput: return "I";
-    case OpKind::BackwardWeight: return "W";
-  }
-  return "?";
+/// Writes e.g. "F(3, 1)", the forward of micro-batch 3 on stage 1 (B, I, W:
+/// the full backward and the two halves of a split one).
+inline std::ostream& operator<<(std::ostream& out, const Op& op) {
+  return out << "FBIW"[static_cast<int>(op.kind)] << '(' << op.micro_batch << ", " << op.stage
+             << ')';
 }
-
-/// E.g. "F(3, 1)": forward of micro-batch 3 on stage 1.
-inline std::string to_string(const Op& op) {
-  return std::string(to_string(op.kind)) + "(" + std::to_string(op.micro_batch) + ", " +
-         std::to_string(op.stage) + ")";
-}
-
-/// Writes to_string(op).
-inline std::ostream& operator<<(std::ostream& out, const Op& op) { return out << to_string(op); }
 
 /// One rank's operations, in the order it runs them.
 using Program = std::vector<Op>;
@@ -296,7 +283,7 @@ inline void validate(const std::vector<Program>& programs, int64_t n_stages, int
   std::vector<std::vector<int>> seen(n, std::vector<int>(m, 0));
   for (size_t r = 0; r < programs.size(); ++r) {
     for (const Op& op : programs[r]) {
-      const std::string where = to_string(op) + " on rank " + std::to_string(r);
+      const std::string where = c10::str(op) + " on rank " + std::to_string(r);
       if (op.stage < 0 || op.stage >= n_stages || op.micro_batch < 0 || op.micro_batch >= n_micro) {
         fail(where + ": stage or micro-batch out of range (" + std::to_string(n_stages) +
              " stages, " + std::to_string(n_micro) + " micro-batches)");

@@ -71,7 +71,7 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
   for (const auto& p : programs) {
     for (const Op& op : p) {
       TORCH_CHECK_VALUE(op.stage >= 0 && op.micro_batch >= 0,
-                        "mpipe::schedules::simulate: negative index in ", to_string(op));
+                        "mpipe::schedules::simulate: negative index in ", op);
       n = std::max(n, op.stage + 1);
       m = std::max(m, op.micro_batch + 1);
     }
@@ -148,7 +148,7 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
       for (size_t r = 0; r < programs.size(); ++r) {
         if (pc[r] < programs[r].size()) {
           stuck += (stuck.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " at " +
-                                                  to_string(programs[r][pc[r]]));
+                                                  c10::str(programs[r][pc[r]]));
         }
       }
       TORCH_CHECK_VALUE(false, "mpipe::schedules::simulate: the programs cannot finish (" +

@@ -5,10 +5,7 @@
 // seed's split_size) or by their number (torchgpipe's `chunks`,
 // torch.distributed.pipelining's `n_microbatches`).
 
-#include <c10/util/Exception.h>
-
 #include <cstdint>
-#include <string>
 
 namespace mpipe {
 
@@ -44,18 +41,6 @@ class Split {
   bool by_count() const noexcept { return by_count_; }
   /// The number given: rows per micro-batch, or the micro-batch count.
   int64_t value() const noexcept { return value_; }
-
-  /// Rows per micro-batch for a batch of `batch` rows; refuses a value below 1,
-  /// naming `method` and what was given.
-  int64_t rows(const char* method, int64_t batch) const {
-    TORCH_CHECK(value_ > 0, "mpipe::ModelPipeline::", method, ": ", name(),
-                " must be positive, got ", value_);
-    if (!by_count_) return value_;
-    return (batch - 1) / value_ + 1;  // ceil(batch / n) for batch >= 1
-  }
-
-  /// What was given, for messages: "split_size" or "chunks".
-  std::string name() const { return by_count_ ? "chunks" : "split_size"; }
 
  private:
   int64_t value_;

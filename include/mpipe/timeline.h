@@ -29,20 +29,20 @@ enum class TaskKind {
 /// "forward", "backward", "input gradient", "weight gradient", "recompute" or "copy".
 const char* to_string(TaskKind kind);
 
-/// One task. Times are milliseconds since the call began: on CUDA devices
-/// taken from timing events on the stage's stream (when the GPU ran the
-/// task), elsewhere from the host's steady clock (when the host ran it).
-struct TimelineTask {
-  int64_t stage = 0;  ///< the stage it ran (a copy: the receiving stage)
-  int64_t item = 0;  ///< micro-batch or time step
-  TaskKind kind = TaskKind::Forward;  ///< what it did
-  c10::Device device = c10::kCPU;     ///< where it ran
-  double start_ms = 0;  ///< when it started
-  double end_ms = 0;    ///< when it ended
-};
-
 /// What one pipeline call did, task by task (ModelPipelineImpl::timeline()).
 struct Timeline {
+  /// One task. Times are milliseconds since the call began: on CUDA devices
+  /// taken from timing events on the stage's stream (when the GPU ran the
+  /// task), elsewhere from the host's steady clock (when the host ran it).
+  struct Task {
+    int64_t stage = 0;  ///< the stage it ran (a copy: the receiving stage)
+    int64_t item = 0;  ///< micro-batch or time step
+    TaskKind kind = TaskKind::Forward;  ///< what it did
+    c10::Device device = c10::kCPU;     ///< where it ran
+    double start_ms = 0;  ///< when it started
+    double end_ms = 0;    ///< when it ended
+  };
+
   std::string method;     ///< "forward", "train_step", ...
   std::string item_name;  ///< "micro-batch" or "time step"
   int64_t n_stages = 0;   ///< the pipeline's stages
@@ -53,7 +53,7 @@ struct Timeline {
   /// The worker that ran each stage (interleaved schedules run several stages
   /// on one worker); empty: stage s on worker s.
   std::vector<int64_t> stage_ranks;
-  std::vector<TimelineTask> tasks;  ///< every task, copies included
+  std::vector<Task> tasks;  ///< every task, copies included
   /// The schedule's idle fraction with unit costs (schedules::bubble).
   double schedule_bubble = 0;
 

@@ -98,20 +98,19 @@ struct TrainStepOptions {
   TORCH_ARG(double, loss_scale) = 1.0;
 };
 
-/// One candidate of choose_schedule, with what the model predicts for it.
-struct SchedulePrediction {
-  Schedule schedule;        ///< the candidate
-  double time = 0;          ///< schedules::makespan with the stage costs
-  double bubble = 0;        ///< schedules::bubble with the stage costs
-  double peak_memory = 0;   ///< a device's most activation bytes (Note [Choosing a schedule])
-  double peak_in_flight = 0;  ///< a device's most (stage, micro-batch) activations
-  bool fits = true;         ///< peak_memory <= memory_limit (or no limit)
-};
-
 /// What choose_schedule picked, and every candidate's prediction.
 struct ScheduleChoice {
-  Schedule schedule;                            ///< the pick
-  std::vector<SchedulePrediction> candidates;   ///< in the order they were weighed
+  /// One candidate, with what the model predicts for it.
+  struct Candidate {
+    Schedule schedule;        ///< the candidate
+    double time = 0;          ///< schedules::makespan with the stage costs
+    double bubble = 0;        ///< schedules::bubble with the stage costs
+    double peak_memory = 0;   ///< a device's most activation bytes (Note [Choosing a schedule])
+    double peak_in_flight = 0;  ///< a device's most (stage, micro-batch) activations
+    bool fits = true;         ///< peak_memory <= memory_limit (or no limit)
+  };
+  Schedule schedule;                  ///< the pick
+  std::vector<Candidate> candidates;  ///< in the order they were weighed
 };
 
 // Note [Choosing a schedule]
@@ -175,7 +174,7 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
       const auto stage = static_cast<size_t>(p.front().stage);
       devices.push_back(stage_devices.empty() ? static_cast<int64_t>(stage) : stage_devices[stage]);
     }
-    SchedulePrediction p{s};
+    ScheduleChoice::Candidate p{s};
     p.time = schedules::makespan(programs, options.stage_costs(), devices);
     p.bubble = schedules::bubble(programs, options.stage_costs(), devices);
     // Per device: the sum of its workers' peaks (an upper bound: they may not
@@ -197,7 +196,7 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
     p.fits = options.memory_limit() <= 0 || p.peak_memory <= options.memory_limit();
     choice.candidates.push_back(p);
     const int k = static_cast<int>(choice.candidates.size()) - 1;
-    auto better = [](const SchedulePrediction& a, const SchedulePrediction& b) {
+    auto better = [](const ScheduleChoice::Candidate& a, const ScheduleChoice::Candidate& b) {
       const double eps = 1e-9 * std::max(std::abs(a.time), std::abs(b.time));
       if (a.time < b.time - eps) return true;
       if (a.time > b.time + eps) return false;

@@ -237,7 +237,8 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       if (split_kind == 1) split = mpipe::Split(st.pick(1, rows));
       if (split_kind == 2) split = mpipe::chunks(st.pick(1, 3));
       const std::string split_name =
-          split ? c10::str(" split ", split->name(), " ", split->value()) : std::string();
+          split ? c10::str(" split ", split->by_count() ? "chunks" : "split_size", " ", split->value())
+                : std::string();
       const char* kind_name = p.kind == Kind::MultiStep ? "multi-step" : "single-step";
       if (call == 0) {
         const bool reduce = st.pick(0, 1) == 1;

@@ -820,7 +820,7 @@ TEST(Distributed, ClipGradNormSeesEveryRanksGradients) {
 // One GPU: a world of one rank holding several stages on cuda:0 (the NCCL
 // backend where the LibTorch has it) equals the same pipeline without a group.
 TEST(Distributed, OneRankHoldsSeveralStagesOnTheGpu_CUDA) {
-  if (mpipe::cuda_device_count() < 1) GTEST_SKIP() << "needs a CUDA device";
+  if (static_cast<int64_t>(torch::cuda::device_count()) < 1) GTEST_SKIP() << "needs a CUDA device";
   if (group().world_size() != 1) GTEST_SKIP() << "a world of one rank";
   std::printf("backend: %s\n", mpipe::distributed::to_string(group().backend()));
   auto build = [](mpipe::ModelPipeline& pipe) {
@@ -859,7 +859,7 @@ TEST(Distributed, OneRankHoldsSeveralStagesOnTheGpu_CUDA) {
 // over NCCL (--backend=nccl), against the same stages in one process on the
 // CPU. Skipped with fewer GPUs than ranks (ctest distributed.nccl_MultiCUDA).
 TEST(Distributed, StagesOnTheirOwnGpusOverNccl_MultiCUDA) {
-  if (mpipe::cuda_device_count() < group().world_size()) GTEST_SKIP() << "one GPU per rank";
+  if (static_cast<int64_t>(torch::cuda::device_count()) < group().world_size()) GTEST_SKIP() << "one GPU per rank";
   if (group().backend() != mpipe::distributed::Backend::NCCL) GTEST_SKIP() << "--backend=nccl";
   const std::string device = "cuda:" + std::to_string(group().rank());
   const int64_t n = group().pipeline_size() + 1;
@@ -1161,10 +1161,10 @@ int main(int argc, char** argv) {
     if (a == "--backend=auto") backend = mpipe::distributed::Backend::Auto;
     if (a.rfind("--require-gpus=", 0) == 0) require_gpus = std::stoll(a.substr(15));
   }
-  if (mpipe::cuda_device_count() < require_gpus) {  // ctest counts exit 77 as skipped
+  if (static_cast<int64_t>(torch::cuda::device_count()) < require_gpus) {  // ctest counts exit 77 as skipped
     std::printf("needs %lld GPU(s), %lld visible: skipping\n",
                 static_cast<long long>(require_gpus),
-                static_cast<long long>(mpipe::cuda_device_count()));
+                static_cast<long long>(torch::cuda::device_count()));
     return 77;
   }
   if (!mpipe::distributed::available()) {

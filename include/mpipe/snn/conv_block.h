@@ -24,11 +24,11 @@
 namespace mpipe {
 namespace snn {
 
-/// IF or LIF neuron options.
-using NeuronOptions = std::variant<IFNodeOptions, LIFNodeOptions>;
-
 /// Options of SpikingConvBlock: the convolution, BatchNorm, neuron and pooling.
 struct SpikingConvBlockOptions {
+  /// IF or LIF neuron options.
+  using Neuron = std::variant<IFNodeOptions, LIFNodeOptions>;
+
   /// A kernel_size x kernel_size convolution with "same" padding and no bias
   /// (the BatchNorm after it has one); change any of that through conv().
   SpikingConvBlockOptions(int64_t in_channels, int64_t out_channels, int64_t kernel_size = 3)
@@ -41,7 +41,7 @@ struct SpikingConvBlockOptions {
   TORCH_ARG(bool, batch_norm) = true;
   /// The neuron, IF or LIF; its step_mode() is the block's (set_step_mode
   /// changes both).
-  TORCH_ARG(NeuronOptions, neuron) = IFNodeOptions();
+  TORCH_ARG(Neuron, neuron) = IFNodeOptions();
   /// MaxPool2d(pool) after the neuron (kernel and stride); 0: no pooling.
   TORCH_ARG(int64_t, pool) = 0;
   /// Multi-step input in training mode: BatchNorm takes its batch statistics

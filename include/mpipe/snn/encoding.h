@@ -22,13 +22,12 @@ namespace snn {
 /// back, so its capture leaves the check out and its replays do not check
 /// (there a value below 0 never fires and one above 1 always fires); the
 /// eager calls around it, such as the warm-up before a capture, do.
-at::Tensor poisson_encode(const at::Tensor& x);
-
-/// SpikingJelly's PoissonEncoder: 1 where uniform noise <= x, else 0, in x's
-/// dtype, for any x (below 0 never fires, 1 and above always fire) and with
-/// no check, so no host sync on a GPU. Differs from poisson_encode only where
-/// x is out of [0, 1] or the noise equals x exactly.
-at::Tensor poisson_encode_unchecked(const at::Tensor& x);
+///
+/// `checked` false: SpikingJelly's PoissonEncoder, 1 where uniform noise <= x,
+/// for any x (below 0 never fires, 1 and above always fire), with no check and
+/// so no host sync on a GPU. It differs from the checked rule only where x is
+/// out of [0, 1] or the noise equals x exactly.
+at::Tensor poisson_encode(const at::Tensor& x, bool checked = true);
 
 // The module form, PoissonEncoder, is in mpipe/snn/poisson_encoder.h.
 

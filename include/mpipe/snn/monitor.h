@@ -28,18 +28,6 @@
 namespace mpipe {
 namespace snn {
 
-/// One spiking layer's firing rate.
-struct LayerRate {
-  /// The neuron's name in the model, as named_modules() gives it.
-  std::string name;
-  /// Spikes over elements (neurons x steps x samples); 0 before any step.
-  double rate = 0;
-  /// The spikes counted.
-  double spikes = 0;
-  /// The elements they were fired from.
-  int64_t elements = 0;
-};
-
 /// Counts the spikes of every neuron (IFNode, LIFNode, ParametricLIFNode) of
 /// a model while it lives: firing rates per layer since it started or since
 /// reset(). A neuron keeps one count, for one monitor at a time: the last
@@ -48,6 +36,18 @@ struct LayerRate {
 /// its rates() are the newer monitor's, and its reset() clears them.
 class FiringRateMonitor {
  public:
+  /// One spiking layer's firing rate.
+  struct LayerRate {
+    /// The neuron's name in the model, as named_modules() gives it.
+    std::string name;
+    /// Spikes over elements (neurons x steps x samples); 0 before any step.
+    double rate = 0;
+    /// The spikes counted.
+    double spikes = 0;
+    /// The elements they were fired from.
+    int64_t elements = 0;
+  };
+
   /// Starts counting in every neuron of `model` (the model itself included).
   explicit FiringRateMonitor(torch::nn::Module& model);
   /// Stops counting.

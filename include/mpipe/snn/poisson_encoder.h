@@ -17,11 +17,11 @@ namespace snn {
 /// Each call draws fresh spikes (reproducibly: docs/design.md, "Random draws").
 class PoissonEncoderImpl : public torch::nn::Module {
  public:
-  /// `checked` false: SpikingJelly's rule, poisson_encode_unchecked (any x, no check).
+  /// `checked` false: SpikingJelly's rule (poisson_encode(x, false): any x, no check).
   explicit PoissonEncoderImpl(bool checked = true) : checked_(checked) {}
   /// poisson_encode(x): spikes, 1 with probability x, in x's dtype.
   at::Tensor forward(const at::Tensor& x) {
-    return checked_ ? poisson_encode(x) : poisson_encode_unchecked(x);
+    return poisson_encode(x, checked_);
   }
 
  private:

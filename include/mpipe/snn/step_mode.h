@@ -27,12 +27,10 @@ enum class StepMode {
   Multi,
 };
 
-/// "single" or "multi".
-inline const char* to_string(StepMode mode) {
-  return mode == StepMode::Single ? "single" : "multi";
+/// Writes "single" or "multi".
+inline std::ostream& operator<<(std::ostream& os, StepMode mode) {
+  return os << (mode == StepMode::Single ? "single" : "multi");
 }
-/// Writes to_string(mode).
-inline std::ostream& operator<<(std::ostream& os, StepMode mode) { return os << to_string(mode); }
 
 /// Sets the step mode of every mpipe::snn neuron and snn::Dropout in
 /// `module` (itself included) and returns how many it set. Stateless layers still need

@@ -73,27 +73,6 @@ MPIPE_FUNC std::vector<int64_t> partition(const std::vector<double>& costs, int6
   return sizes;
 }
 
-MPIPE_FUNC double max_block_cost(const std::vector<double>& costs,
-                                 const std::vector<int64_t>& sizes) {
-  detail::check_costs(costs, "max_block_cost");
-  int64_t at = 0;
-  double worst = 0;
-  for (size_t b = 0; b < sizes.size(); ++b) {
-    TORCH_CHECK(sizes[b] > 0, "mpipe::balance::max_block_cost: block ", b,
-                " must hold at least one layer, got ", sizes[b]);
-    TORCH_CHECK(at + sizes[b] <= static_cast<int64_t>(costs.size()),
-                "mpipe::balance::max_block_cost: the blocks hold more layers than the ",
-                costs.size(), " given");
-    double s = 0;
-    for (int64_t i = at; i < at + sizes[b]; ++i) s += costs[i];
-    worst = std::max(worst, s);
-    at += sizes[b];
-  }
-  TORCH_CHECK(at == static_cast<int64_t>(costs.size()), "mpipe::balance::max_block_cost: the blocks "
-              "hold ", at, " layers, not the ", costs.size(), " given");
-  return worst;
-}
-
 MPIPE_FUNC ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                                          const std::vector<DeviceArg>& devices,
                                          const std::vector<int64_t>& sizes,

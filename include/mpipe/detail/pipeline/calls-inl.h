@@ -52,7 +52,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::State::forward(const std::vector<Input>& i
   kind.describe = [&] {
     detail::CallInfo c;
     c.batch = detail::split_batch("forward", inputs);
-    c.rows = split.rows("forward", c.batch);
+    c.rows = detail::split_rows(split, "forward", c.batch);
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     return c;
   };
@@ -195,13 +195,13 @@ MPIPE_FUNC int64_t ModelPipelineImpl::State::resolve_rows(const char* method,
     const int64_t n_chunks = (T + chunk - 1) / chunk;
     if (n_chunks >= 2 * n_devices) return 0;
     const int64_t m = std::min(batch, (4 * n_devices + n_chunks - 1) / n_chunks);
-    return Split::chunks(m).rows(method, batch);
+    return detail::split_rows(Split::chunks(m), method, batch);
   }
   TORCH_CHECK(batch > 0 || split->value() == 1, "mpipe::ModelPipeline::", method,
-              ": a micro-batch split (", split->name(), " ", split->value(),
+              ": a micro-batch split (", detail::split_name(*split), " ", split->value(),
               ") needs a batched input with rows to split; no input is batched");
   if (batch <= 0) return 0;
-  return split->rows(method, batch);
+  return detail::split_rows(*split, method, batch);
 }
 
 MPIPE_FUNC detail::CallInfo ModelPipelineImpl::State::constant_call_info(

@@ -18,12 +18,13 @@ MPIPE_FUNC std::string DeviceArg::describe() const {
   return "\"" + spec_ + "\"";
 }
 
+namespace detail {
+
+/// The CUDA devices this process sees (0 with a CPU-only LibTorch).
 MPIPE_FUNC int64_t cuda_device_count() {
   if (!c10::impl::hasDeviceGuardImpl(c10::kCUDA)) return 0;
   return c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount();
 }
-
-namespace detail {
 
 MPIPE_FUNC bool all_digits(const std::string& s) {
   if (s.empty()) return false;
@@ -40,7 +41,7 @@ MPIPE_FUNC c10::Device check_usable(c10::Device device, const DeviceArg& arg) {
   TORCH_CHECK(c10::impl::hasDeviceGuardImpl(c10::kCUDA), "mpipe: device ", arg.describe(),
               " asks for CUDA, but this LibTorch was built without CUDA support; "
               "use \"cpu\" or link a CUDA build of LibTorch");
-  const int64_t count = cuda_device_count();
+  const int64_t count = detail::cuda_device_count();
   TORCH_CHECK(count > 0, "mpipe: device ", arg.describe(),
               " asks for CUDA, but no CUDA device is visible to this process "
               "(check CUDA_VISIBLE_DEVICES and the driver), so use \"cpu\"");

@@ -141,7 +141,7 @@ MPIPE_FUNC int64_t chunk_of(const ModelPipelineImpl& p, const char* method,
 MPIPE_FUNC std::optional<Split> split_of(const ModelPipelineImpl& p, const char* method,
                                          std::optional<Split> arg, bool batched = true) {
   if (arg) {
-    arg->rows(method, 1);  // refuses a value below 1, naming it
+    detail::split_rows(*arg, method, 1);  // refuses a value below 1, naming it
     return arg;
   }
   TORCH_CHECK(p.options.time_micro_batches() >= 0, "mpipe::ModelPipeline::", method,
@@ -278,7 +278,7 @@ MPIPE_FUNC MemoryReport ModelPipelineImpl::memory_report() const {
   std::lock_guard<std::mutex> lock(s.call_mutex);
   MemoryReport report;
   report.last_call = s.memory_counters.empty() ? std::string() : s.memory_call;
-  auto row = [&](c10::Device d) -> DeviceMemory& {
+  auto row = [&](c10::Device d) -> MemoryReport::DeviceRow& {
     for (auto& r : report.devices) {
       if (r.device == d) return r;
     }
@@ -287,7 +287,7 @@ MPIPE_FUNC MemoryReport ModelPipelineImpl::memory_report() const {
     return report.devices.back();
   };
   for (size_t j = 0; j < size(); ++j) {
-    DeviceMemory& r = row(s.devices[j]);
+    MemoryReport::DeviceRow& r = row(s.devices[j]);
     ++r.stages;
     const auto& m = s.stages->ptr(j);
     for (const auto& p : m->parameters()) {

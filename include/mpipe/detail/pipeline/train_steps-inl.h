@@ -81,7 +81,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::train_step(const std::vector<Inp
     TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
                 "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
                 step.loss_scale());
-    c.rows = step.split().rows("train_step", c.batch);
+    c.rows = detail::split_rows(step.split(), "train_step", c.batch);
     c.n_items = (c.batch - 1) / c.rows + 1;  // not (batch + rows - 1) / rows: rows may be huge
     c.virtual_stages = step.virtual_stages();
     c.reduction = static_cast<int64_t>(step.reduction());

@@ -43,7 +43,7 @@ class Recorder {
 
  private:
   struct Entry {
-    TimelineTask task;
+    Timeline::Task task;
     c10::Device clock = c10::kCPU;  // the device whose origin event times it
     std::shared_ptr<TimingEvent> start, end;
   };

@@ -5,6 +5,7 @@
 
 #include "mpipe/detail/runtime/time_chunks.h"
 
+#include "mpipe/split.h"
 #include "mpipe/tensors.h"
 
 #include <ATen/Functions.h>
@@ -16,6 +17,20 @@
 
 namespace mpipe {
 namespace detail {
+
+/// What `split` was given as, for messages: "split_size" or "chunks".
+inline const char* split_name(const Split& split) {
+  return split.by_count() ? "chunks" : "split_size";
+}
+
+/// Rows per micro-batch of `split` for a batch of `batch` rows; refuses a
+/// value below 1, naming `method` and what was given.
+inline int64_t split_rows(const Split& split, const char* method, int64_t batch) {
+  TORCH_CHECK(split.value() > 0, "mpipe::ModelPipeline::", method, ": ", split_name(split),
+              " must be positive, got ", split.value());
+  if (!split.by_count()) return split.value();
+  return (batch - 1) / split.value() + 1;  // ceil(batch / n) for batch >= 1
+}
 
 /// The batched inputs' common size along `dim` (checked); -1 when none is.
 inline int64_t batch_size(const char* method, const std::vector<Input>& inputs, int64_t dim) {

@@ -12,9 +12,10 @@
 namespace mpipe {
 namespace snn {
 
-MPIPE_FUNC at::Tensor poisson_encode(const at::Tensor& x) {
+MPIPE_FUNC at::Tensor poisson_encode(const at::Tensor& x, bool checked) {
   TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
               "mpipe::snn::poisson_encode: x must be a floating-point tensor of probabilities");
+  if (!checked) return at::rand_like(x).le(x).to(x.scalar_type());  // SpikingJelly's rule
   // One rule on every device (encoding.h): one reduction, its two values read
   // back at once (a host sync on a GPU). A CUDA graph being captured can read
   // nothing back, so the check is left out of the capture.
@@ -30,12 +31,6 @@ MPIPE_FUNC at::Tensor poisson_encode(const at::Tensor& x) {
                 hi, "]");
   }
   return at::rand_like(x).lt(x).to(x.scalar_type());
-}
-
-MPIPE_FUNC at::Tensor poisson_encode_unchecked(const at::Tensor& x) {
-  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
-              "mpipe::snn::poisson_encode_unchecked: x must be a floating-point tensor");
-  return at::rand_like(x).le(x).to(x.scalar_type());
 }
 
 MPIPE_FUNC at::Tensor rate_from_sum(const at::Tensor& summed_spikes, int64_t T) {

@@ -25,7 +25,7 @@ MPIPE_FUNC FiringRateMonitor::~FiringRateMonitor() {
   for (auto& n : neurons_) n.second->count_spikes(false, this);  // unless a newer monitor counts
 }
 
-MPIPE_FUNC std::vector<LayerRate> FiringRateMonitor::rates() const {
+MPIPE_FUNC std::vector<FiringRateMonitor::LayerRate> FiringRateMonitor::rates() const {
   std::vector<LayerRate> out;
   for (const auto& n : neurons_) {
     LayerRate r;
