@@ -63,7 +63,6 @@ MPIPE_FUNC void GlooLink::post(int64_t peer, WireMessage m) {
   h[kPipeline] = pipeline_;
   h[kSeq] = seq_;
   h[kType] = m.type;
-  h[kPhase] = m.phase;
   h[kKind] = m.key.kind;
   h[kItem] = m.key.item;
   h[kStage] = m.stage;
@@ -293,7 +292,6 @@ MPIPE_FUNC void GlooLink::pump(int64_t peer) {
                   "same order");
       WireMessage m;
       m.type = static_cast<WireMessage::Type>(h[kType]);
-      m.phase = h[kPhase];
       m.key.kind = static_cast<Key::Kind>(h[kKind]);
       m.key.item = h[kItem];
       m.stage = h[kStage];

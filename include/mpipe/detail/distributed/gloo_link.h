@@ -31,7 +31,7 @@ constexpr int64_t kMagic = 0x6d70697065;  // "mpipe"
 constexpr int64_t kHeader = 32;
 constexpr int64_t kMaxDims = 12;
 enum Slot : int64_t {
-  kMagicSlot, kPipeline, kSeq, kType, kPhase, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
+  kMagicSlot, kPipeline, kSeq, kType, kKind, kItem, kStage, kFrom, kIndex, kCount, kDtype,
   kTextBytes, kCallFields, kDims, kShape  // kShape .. kShape + kMaxDims - 1
 };
 constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL

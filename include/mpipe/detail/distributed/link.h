@@ -24,9 +24,6 @@ namespace detail {
 struct WireMessage {
   enum Type : int64_t { Call = 1, Data = 2, End = 3, Abort = 4 };
   Type type = Data;
-  /// Data: the phase of the call it belongs to (RemoteCall::attach counts
-  /// them: the executor's run, then constant_train_step's backward).
-  int64_t phase = 0;
   // Data: tensor `index` of `count` sent under `key` to global stage `stage`;
   // `from` is the sending stage (the stasher, for a skip).
   Key key{Key::Activation, 0, {}};
@@ -72,7 +69,7 @@ struct LinkHandlers {
 };
 
 /// The seed of the debug hook that delays and reorders the delivery of
-/// received messages and delays each phase change of a call (Note [Message
+/// received messages and delays each call's attach (Note [Message
 /// addresses]); -1 when MPIPE_DEBUG_CHAOS is unset (the default: no delays).
 int64_t debug_chaos_seed();
 

@@ -67,23 +67,19 @@ namespace detail {
 //
 // Note [Message addresses]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// A call can run in phases, each with its own transport (every call kind runs
-// one today: the executor's run; constant_train_step's backward used to be a
-// second). A peer may start a phase, and send its first messages, before
-// this rank attached its transport, or while it still finishes the previous
-// phase. So every Data message
-// is addressed: its call (the header's pipeline and sequence number, checked
-// by the receiving thread), its phase (the k-th attach on the sending rank is
-// phase k on every rank, since every rank runs the same code), and its item,
-// stage and kind (the transport's key). RemoteCall hands a message to the
-// transport of its phase only; one for a phase not yet attached waits in
-// early_ until it attaches, and none is handed to another phase's transport.
-// The debug hook MPIPE_DEBUG_CHAOS=<seed> stretches exactly these windows:
-// it delays every received message by up to 3 ms at random (so messages
-// overtake one another) and pauses before each phase change, 20-60 ms in a
-// third of them. The stress test runs under it: before phases were
-// addressed it lost constant_train_step's gradients (then a second phase)
-// within 300 calls on 2, 3 and 4 ranks (docs/RELIABILITY.md).
+// A peer may start the call's run, and send its first messages, before this
+// rank attached its transport. So every Data message is addressed: its call
+// (the header's pipeline and sequence number, checked by the receiving
+// thread) and its item, stage and kind (the transport's key). RemoteCall
+// keeps what comes before the one attach of the call in early_ and hands it
+// over at attach; after detach, the call is over on this rank (it ended or
+// failed) and what still comes is dropped. The debug hook
+// MPIPE_DEBUG_CHAOS=<seed> stretches these windows: it delays every received
+// message by up to 3 ms at random (so messages overtake one another) and
+// pauses before a third of the attaches, 20-60 ms. The stress test runs
+// under it (docs/RELIABILITY.md). (Calls once ran in phases, each attaching
+// its own transport, and messages carried their phase: constant_train_step's
+// backward was a second phase. Every call kind is one executor run now.)
 
 MPIPE_FUNC int64_t debug_chaos_seed() {
   static const int64_t seed = [] {
@@ -205,13 +201,10 @@ MPIPE_FUNC void RemoteCall::deliver(int64_t peer, WireMessage m) {
       changed_.notify_all();
       return;
     }
-    if (over_) return;  // the call ended here (it failed): the rest is read and dropped
-    const bool now = attached_ && m.phase == phases_ - 1;
-    if (!now) {
-      // A later phase's (or, before the first attach, any phase's): kept for
-      // it. One for a phase already over can only follow a failure there,
-      // which fails the call: dropped.
-      if (m.phase >= phases_) early_[m.phase].emplace_back(peer, std::move(m));
+    if (attached_ != Attached::Now) {
+      // Before the attach: kept for it. After the detach, the call is over
+      // here (it ended, or failed): dropped.
+      if (attached_ == Attached::Not) early_.emplace_back(peer, std::move(m));
       return;
     }
     to = transport_;
@@ -230,7 +223,7 @@ MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
     if (failure_.empty()) failure_ = why;
     failures_.push_back(why);
     changed_.notify_all();
-    if (!attached_) return;  // attach() hands it over
+    if (attached_ != Attached::Now) return;  // attach() hands it over
     to = transport_;
     ++busy_;
   }
@@ -240,19 +233,20 @@ MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
 }
 
 MPIPE_FUNC void RemoteCall::attach(RemoteTransport* transport) {
+  if (chaos_on_) {  // the debug hook: a late attach (Note [Message addresses])
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto pause = chaos_() % 3 == 0 ? 20000 + chaos_() % 40000 : chaos_() % 2000;
+    lock.unlock();  // messages keep arriving meanwhile
+    std::this_thread::sleep_for(std::chrono::microseconds(pause));
+  }
   std::vector<std::pair<int64_t, WireMessage>> early;
   std::string failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int64_t phase = phases_++;
-    send_phase_ = phase;
+    TORCH_INTERNAL_ASSERT(attached_ == Attached::Not, "a call's transport attaches once");
     transport_ = transport;
-    attached_ = true;
-    auto it = early_.find(phase);
-    if (it != early_.end()) {
-      early.swap(it->second);
-      early_.erase(it);
-    }
+    attached_ = Attached::Now;
+    early.swap(early_);
     failure = failure_;
     ++busy_;  // detach() waits for these hand-offs too
   }
@@ -264,26 +258,16 @@ MPIPE_FUNC void RemoteCall::attach(RemoteTransport* transport) {
 
 MPIPE_FUNC void RemoteCall::detach() {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (chaos_on_ && attached_) {  // the debug hook: a slow phase change (Note [Message addresses])
-    const auto pause = chaos_() % 3 == 0 ? 20000 + chaos_() % 40000 : chaos_() % 2000;
-    lock.unlock();  // messages keep arriving meanwhile
-    std::this_thread::sleep_for(std::chrono::microseconds(pause));
-    lock.lock();
-  }
   // The transport dies with the executor's call: wait out the hand-offs in
   // flight on the receiving threads.
-  attached_ = false;
+  attached_ = Attached::Over;
   transport_ = nullptr;
+  early_.clear();
   changed_.wait(lock, [&] { return busy_ == 0; });
 }
 
 MPIPE_FUNC std::string RemoteCall::finish(const std::string& error, const char* method) {
   detach();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    over_ = true;
-    early_.clear();
-  }
   bool failing = !error.empty();
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -74,19 +74,15 @@ class RemoteCall {
   /// Another rank: the first rank's call, which must be `method` too.
   CallInfo await_call(const char* method);
 
-  /// The call's transport while one phase of the call runs (the executor's
-  /// run, then constant_train_step's backward): the k-th attach on a rank is
-  /// phase k on every rank (Note [Message addresses]). Messages for phase k
-  /// that arrive before it attaches are kept and handed to it then; after
-  /// detach, a message for a later phase waits for that phase.
+  /// The call's transport, once per call, while the executor runs it. A
+  /// peer's messages that arrive before attach are kept and handed to it
+  /// then; after detach, what still comes is dropped (Note [Message
+  /// addresses]).
   void attach(RemoteTransport* transport);
   void detach();
 
-  /// Sends `m` (a Data message) addressed to the phase now attached.
-  void post(int64_t peer, WireMessage m) {
-    m.phase = send_phase_;
-    link_->post(peer, std::move(m));
-  }
+  /// Sends `m` (a Data message) to `peer`.
+  void post(int64_t peer, WireMessage m) { link_->post(peer, std::move(m)); }
 
   /// Ends the call with every other rank (an Abort carrying `error` when this
   /// rank failed). Without a local error, throws what other ranks reported;
@@ -103,14 +99,12 @@ class RemoteCall {
 
   std::mutex mutex_;
   std::condition_variable changed_;
-  int64_t phases_ = 0;    // attaches so far: the attached phase is phases_ - 1
-  bool attached_ = false;
-  bool over_ = false;     // finish() began: what still comes is read and dropped
-  std::atomic<int64_t> send_phase_{0};
+  // Where Data goes: before attach, into early_; while attached, to
+  // transport_; after detach (or finish), nowhere.
+  enum class Attached { Not, Now, Over } attached_ = Attached::Not;
   RemoteTransport* transport_ = nullptr;
   int64_t busy_ = 0;  // deliveries into transport_ in progress
-  /// Data for phases not attached yet, by phase.
-  std::map<int64_t, std::vector<std::pair<int64_t, WireMessage>>> early_;
+  std::vector<std::pair<int64_t, WireMessage>> early_;  // Data before attach
   std::mt19937_64 chaos_;  // the debug hook's pauses (seeded when it is on)
   bool chaos_on_ = false;
   bool has_call_ = false;
@@ -142,7 +136,7 @@ class RemoteTransport : public Transport {
   LocalTransport& local_;
   RemoteCall& call_;
   const int64_t first_, end_;
-  SkipTable* skips_;  // null: no skips in this phase
+  SkipTable* skips_;  // null: the call has no skips
   std::function<void(std::exception_ptr)> fail_;
   std::mutex mutex_;  // guards partial_
   struct Partial {
