@@ -3,6 +3,7 @@
 // c10d's and Gloo's headers and MPIPE_WITH_C10D when it found them.
 #include "mpipe/detail/distributed/group-inl.h"
 #include "mpipe/detail/distributed/remote-inl.h"
+#include "mpipe/detail/distributed/remote_transport-inl.h"
 #ifdef MPIPE_WITH_C10D
 #include "mpipe/detail/distributed/distributed-inl.h"
 #include "mpipe/detail/distributed/gloo_link-inl.h"

@@ -3,6 +3,7 @@
 #include "mpipe/detail/pipeline/balance-inl.h"
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
 #include "mpipe/detail/pipeline/session-inl.h"
+#include "mpipe/detail/cuda/graph_policy-inl.h"
 #include "mpipe/detail/pipeline/calls-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/grad_norm-inl.h"

@@ -10,4 +10,5 @@
 #include "mpipe/detail/runtime/transport-inl.h"
 #include "mpipe/detail/runtime/workers-inl.h"
 #include "mpipe/detail/runtime/actions-inl.h"
+#include "mpipe/detail/runtime/backward_actions-inl.h"
 #include "mpipe/detail/runtime/executor-inl.h"

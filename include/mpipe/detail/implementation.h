@@ -14,11 +14,13 @@
 #include "mpipe/detail/runtime/transport-inl.h"
 #include "mpipe/detail/runtime/workers-inl.h"
 #include "mpipe/detail/runtime/actions-inl.h"
+#include "mpipe/detail/runtime/backward_actions-inl.h"
 #include "mpipe/detail/runtime/executor-inl.h"
 
 #include "mpipe/detail/pipeline/balance-inl.h"
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
 #include "mpipe/detail/pipeline/session-inl.h"
+#include "mpipe/detail/cuda/graph_policy-inl.h"
 #include "mpipe/detail/pipeline/calls-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/grad_norm-inl.h"
@@ -42,6 +44,7 @@
 #include "mpipe/detail/cuda/cuda.h"
 #include "mpipe/detail/distributed/group-inl.h"
 #include "mpipe/detail/distributed/remote-inl.h"
+#include "mpipe/detail/distributed/remote_transport-inl.h"
 #ifdef MPIPE_WITH_C10D
 #include "mpipe/detail/distributed/distributed-inl.h"
 #include "mpipe/detail/distributed/gloo_link-inl.h"

@@ -39,7 +39,7 @@ namespace detail {
 // parameters' and buffers' storage is compared with the capture's: a graph
 // whose tensors moved (to(), set_data) is captured again (holds_graph).
 // Without the option, repeated inference calls are graphed where that is safe
-// (Note [Automatic CUDA graphs], session-inl.h).
+// (Note [Automatic CUDA graphs], graph_policy-inl.h).
 //
 // Like torch.cuda.graphs, a replay repeats the captured device work only:
 // host-side decisions taken during the capture (a module's branches on its

@@ -282,7 +282,7 @@ MPIPE_FUNC ModelPipelineImpl::State::Plan ModelPipelineImpl::State::plan_constan
   // constant_train_step: the loss of the summed outputs, then backward chunk
   // by chunk (Note [Chained backward]).
   spec.training = spec.chained = true;
-  // By micro-batch (Note [Checkpointed time steps] in runtime/actions-inl.h).
+  // By micro-batch (Note [Checkpointed time steps] in runtime/backward_actions-inl.h).
   spec.checkpoint = self.is_training() ? self.options.checkpoint() : Checkpoint::Never;
   spec.stateful = &stateful;
   if (target.defined()) spec.caller_tensors.push_back(target);

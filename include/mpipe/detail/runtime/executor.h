@@ -50,12 +50,12 @@ class RemoteCall;         // remote.h
 // from the Transport (Note [Transport]): activations from the previous stage,
 // gradients from the next, skip tensors from their stasher (Note [Skip
 // connections]); the call's inputs enter stage 0 from the caller. So the
-// executor (executor-inl.h, actions-inl.h, executor_run.h) has the one
-// failure path (the first error is kept, the transport is aborted so no
-// stage waits, the caller rethrows it naming the stage, its device, the item
-// and the phase), the one place that records timeline tasks (forward,
-// recompute, backward and its halves here, copies in the transport), and
-// moves no data itself.
+// executor (executor-inl.h, actions-inl.h, backward_actions-inl.h,
+// executor_run.h) has the one failure path (the first error is kept, the
+// transport is aborted so no stage waits, the caller rethrows it naming the
+// stage, its device, the item and the phase), the one place that records
+// timeline tasks (forward, recompute, backward and its halves here, copies in
+// the transport), and moves no data itself.
 //
 // Around every stage call the executor sets: the stage's compute stream, the
 // item's MicroBatch (micro_batch_of: the item itself in micro-batched calls;
@@ -196,7 +196,7 @@ class Executor {
   /// stage's inputs only, keeping the graph for weight_action.
   void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
   /// Chained calls: runs again every chunk of item `item`'s micro-batch that
-  /// the stage checkpointed (Note [Checkpointed time steps] in actions-inl.h).
+  /// the stage checkpointed (Note [Checkpointed time steps] in backward_actions-inl.h).
   void recompute_micro_batch(Run& run, int64_t stage, int64_t item, const char*& phase);
   /// W(item): the gradients of the stage's weights from the graph I kept.
   void weight_action(Run& run, int64_t stage, int64_t item);

@@ -1,7 +1,8 @@
 #pragma once
 
 // Private: what one Executor::run holds while its actions run, shared by
-// executor-inl.h (the run) and actions-inl.h (the actions).
+// executor-inl.h (the run), actions-inl.h and backward_actions-inl.h (the
+// actions).
 
 #include "mpipe/detail/config.h"
 

@@ -1,0 +1,146 @@
+#pragma once
+
+// Private: RemoteTransport (remote.h), the executor's transport when stages
+// live in other processes: local stages' messages stay in this process, the
+// others go through the call's link (Note [Cross-process calls] in
+// remote-inl.h).
+
+#include "mpipe/detail/config.h"
+
+#include "mpipe/detail/distributed/remote.h"
+
+#include "mpipe/detail/distributed/group.h"
+#include "mpipe/detail/runtime/skips.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace mpipe {
+namespace detail {
+
+MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& call, int64_t first,
+                                            int64_t end, SkipTable* skips,
+                                            std::function<void(std::exception_ptr)> fail)
+    : local_(local), call_(call), first_(first), end_(end), skips_(skips), fail_(std::move(fail)) {
+  // Who a receive of `key` by stage `to` waits on: the stage before (inputs,
+  // skips) or after (gradients); -1 when that is not known here.
+  auto producer = [](int64_t to, const Key& key) -> int64_t {
+    if (key.kind == Key::Activation) return to - 1;
+    if (key.kind == Key::Gradient) return to + 1;
+    return -1;
+  };
+  // The rank a receive waits on: the producer's, or for a skip (its
+  // stasher is not known here) the nearest rank on the side it comes from.
+  local_.sender_of = [this, producer](int64_t to, const Key& key) -> std::string {
+    const Layout& l = call_.layout();
+    const int64_t from = producer(to, key);
+    const int64_t p = call_.pipeline_rank();
+    const int64_t rank = from >= 0 && from < l.n_stages ? l.rank_of(from)
+                         : key.kind == Key::Skip        ? p - 1
+                                                        : p + 1;
+    if (rank < 0 || rank >= call_.group().pipeline_size()) return "another rank";
+    const std::string world = c10::str("rank ", detail::group_impl(call_.group())->world_rank(rank));
+    return from >= 0 && from < l.n_stages ? c10::str(world, " (stage ", from, ")") : world;
+  };
+  // A stall upstream leaves every later rank waiting for inputs, one behind
+  // the other; downstream, every earlier rank waiting for gradients. The rank
+  // next to the stalled one should time out first and name it, so waits grow
+  // by half a second per rank away from it (Note [Cross-process calls]). A
+  // receive from a stage of this rank waits without a timeout: that stage
+  // either delivers or fails the call (its own receive times out, or another
+  // rank's Abort arrives), and it is not the one to name.
+  local_.patience = [this, producer](int64_t to, const Key& key) {
+    const int64_t from = producer(to, key);
+    if (from >= first_ && from < end_) return std::chrono::milliseconds(0);
+    const int64_t p = call_.pipeline_rank(), s = call_.group().pipeline_size();
+    const int64_t steps = key.kind == Key::Activation || key.kind == Key::Skip ? p : s - 1 - p;
+    return call_.group().timeout() + std::chrono::milliseconds(500 * steps);
+  };
+}
+
+MPIPE_FUNC void RemoteTransport::post(int64_t from, int64_t to, const Key& key,
+                                      const Tensors& values) {
+  const int64_t peer = call_.layout().rank_of(to);
+  for (size_t k = 0; k < values.size(); ++k) {
+    WireMessage m;
+    m.type = WireMessage::Data;
+    m.key = key;
+    m.stage = to;
+    m.from = from;
+    m.index = static_cast<int64_t>(k);
+    m.count = static_cast<int64_t>(values.size());
+    m.tensor = values[k];
+    call_.post(peer, std::move(m));
+  }
+  if (values.empty()) {  // still one message, so the receiver sees the parcel
+    WireMessage m;
+    m.type = WireMessage::Data;
+    m.key = key;
+    m.stage = to;
+    m.from = from;
+    m.count = 0;
+    call_.post(peer, std::move(m));
+  }
+}
+
+MPIPE_FUNC void RemoteTransport::send(int64_t from, int64_t to, const Key& key, Tensors values) {
+  if (key.kind == Key::Skip) {  // held until its item's activations leave (or it is popped here)
+    local_.send(from, -1, key, std::move(values));
+    return;
+  }
+  if (local(to)) {
+    local_.send(from, to, key, std::move(values));
+    return;
+  }
+  // The sending stage's stream is current: the host copy in post() waits for it.
+  if (key.kind == Key::Activation) {
+    for (auto& held : local_.take_skips(key.item)) post(held.from, to, held.key, held.values);
+  }
+  post(from, to, key, values);
+}
+
+MPIPE_FUNC void RemoteTransport::deliver(int64_t peer, WireMessage m) {
+  (void)peer;
+  try {
+    const auto where = std::make_pair(m.stage, m.key);
+    Tensors values;
+    std::shared_ptr<c10::Event> ready;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      Partial& part = partial_[where];
+      if (m.ready) part.ready = m.ready;
+      if (m.count > 0) {
+        if (part.values.empty()) part.values.resize(static_cast<size_t>(m.count));
+        TORCH_CHECK(m.index >= 0 && m.index < m.count &&
+                        static_cast<int64_t>(part.values.size()) == m.count,
+                    "a malformed message (tensor ", m.index, " of ", m.count, ")");
+        part.values[static_cast<size_t>(m.index)] = std::move(m.tensor);
+      }
+      if (++part.got < std::max<int64_t>(m.count, 1)) return;
+      values = std::move(part.values);
+      ready = std::move(part.ready);
+      partial_.erase(where);
+    }
+    if (m.key.kind == Key::Skip) {
+      TORCH_CHECK(values.size() == 1, "a skip parcel holds one tensor, got ", values.size());
+      TORCH_CHECK(skips_ != nullptr, "skip '", m.key.name, "' arrived after the forward pass");
+      skips_->stash(m.key.name, m.key.item, m.from);
+      local_.deposit(m.from, -1, m.key, std::move(values), std::move(ready));
+    } else {
+      TORCH_CHECK(local(m.stage), "a message for stage ", m.stage, " reached the rank of ",
+                  call_.layout().ranks_stages(call_.pipeline_rank()));
+      local_.deposit(m.from, m.stage, m.key, std::move(values), std::move(ready));
+    }
+  } catch (...) {
+    fail_(std::current_exception());
+  }
+}
+
+}  // namespace detail
+}  // namespace mpipe

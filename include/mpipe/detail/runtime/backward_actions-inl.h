@@ -1,0 +1,247 @@
+#pragma once
+
+// Private: the executor's backward actions for every call kind (Note [One
+// runtime] in executor.h): B(i, s), its halves I (input gradient) and W
+// (weight gradient), and the recompute of a checkpointed stage before its
+// backward (Note [Training runtime] in actions-inl.h).
+
+#include "mpipe/detail/config.h"
+
+#include "mpipe/detail/runtime/executor_run.h"
+
+#include "mpipe/detail/runtime/backward_scope.h"
+#include "mpipe/detail/runtime/errors.h"
+#include "mpipe/detail/runtime/recorder.h"
+#include "mpipe/detail/runtime/streams.h"
+
+#include "mpipe/state.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <string>
+#include <utility>
+
+namespace mpipe {
+namespace detail {
+
+/// For a recompute's lifetime, the stage's module state is the one `before`
+/// saved; then the state of now again (Note [State snapshots]).
+class RecomputedState {
+ public:
+  RecomputedState(const StateSnapshot& before, const std::vector<StatefulModule>* modules)
+      : now_(before.empty() ? StateSnapshot() : StateSnapshot(*modules)) {
+    before.load();
+  }
+  ~RecomputedState() {
+    try {
+      now_.load();
+    } catch (...) {  // an error already on its way is the one to report
+    }
+  }
+  RecomputedState(const RecomputedState&) = delete;
+  RecomputedState& operator=(const RecomputedState&) = delete;
+
+ private:
+  StateSnapshot now_;
+};
+
+/// A recompute's pop(name): the leaf its forward popped from another stage,
+/// or (taken) what the recompute itself stashed.
+inline at::Tensor recompute_pop(const std::map<std::string, at::Tensor>& popped,
+                                std::map<std::string, at::Tensor>& stashed,
+                                const std::string& name) {
+  auto it = popped.find(name);
+  if (it != popped.end()) return it->second;
+  auto own = stashed.find(name);
+  TORCH_CHECK(own != stashed.end(), "pop('", name,
+              "'): the recompute popped a name its forward did not");
+  at::Tensor t = own->second;
+  stashed.erase(own);
+  return t;
+}
+
+// Note [Checkpointed time steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// constant_train_step checkpoints by micro-batch (Note [Micro-batches over
+// time]): a checkpointed micro-batch's chunks run forward without a graph,
+// keeping their inputs and, before the first, the stage's module state.
+// A chunk's graph cannot be rebuilt alone: it reads the state the chunk
+// before left, through that chunk's graph (Note [Chained backward]). So the
+// micro-batch's first backward on the stage (its last chunk's) runs all its
+// chunks again, in order, from the saved state, each under its own random
+// draws (Note [Random draws]), records each chunk's nodes as its forward
+// would have, and puts the module state back; the chunks' backwards then run
+// as usual. A stage holds a micro-batch's graph only from that recompute to
+// its last backward, one micro-batch at a time (with one micro-batch, the
+// whole batch's graph, but not from its forward on). The last stage is never
+// checkpointed: its outputs of every micro-batch feed the one loss, so it
+// would have to keep them all anyway.
+
+MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
+                                                const char*& phase) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = place(j);
+  const int64_t first = i - call.time_chunks.chunk(i);
+  const int64_t end = first + call.time_chunks.per_micro_batch();
+  auto& saved = run.saved[local(j)];
+  StateSnapshot& before = saved[static_cast<size_t>(first)].state_before;
+  phase = call.time_chunks.pick("recompute of item", "recompute of time chunk",
+                                "recompute of time step");
+  const RecomputedState state(before, before.empty() ? nullptr : &(*call.stateful)[local(j)]);
+  RecomputeGuard recompute;
+  for (int64_t q = first; q < end; ++q) {
+    Run::Saved& s = saved[static_cast<size_t>(q)];
+    TaskSpan span(call.recorder, j, q, TaskKind::Recompute, stage.device, stage.compute);
+    RngScope draws(run.rng, j, q);
+    SkipScope skips(
+        [&](const std::string& name, at::Tensor t) { s.stashed[name] = std::move(t); },
+        [&](const std::string& name) { return recompute_pop(s.popped, s.stashed, name); });
+    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
+    const uint64_t lo = ChunkNodes::now();
+    try {
+      s.outputs = (*run.forwards)[local(j)](s.inputs);
+    } catch (...) {  // named by the chunk that failed, not the backward's
+      throw DescribedFailure{describe_failure(call, phase, j, q)};
+    }
+    s.nodes = ChunkNodes{lo, ChunkNodes::now()};
+    s.checkpointed = false;
+  }
+  phase = call.time_chunks.pick("backward of item", "backward of time chunk",
+                                "backward of time step");
+}
+
+MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase,
+                                          bool split) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = place(j);
+  const bool last = j + 1 == n_total();
+  Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
+  Tensors grads;
+  if (!last) grads = run.transport->receive(j, Key{Key::Gradient, i, {}});
+
+  c10::OptionalStreamGuard stream_guard(stage.compute);
+  MicroBatchGuard micro_batch(call.micro_batch_of(i));
+  if (sv.checkpointed && call.chained) {
+    recompute_micro_batch(run, j, i, phase);  // Note [Checkpointed time steps]
+  }
+  Tensors roots = sv.outputs;
+  std::map<std::string, at::Tensor> stashed = sv.stashed;
+  if (sv.checkpointed) {
+    phase = "recompute of micro-batch";
+    TaskSpan span(call.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
+    RngScope draws(run.rng, j, i);  // the forward's draws again (Note [Random draws])
+    // Run from the module state the forward started from (Note [State snapshots]).
+    const RecomputedState state(sv.state_before, sv.state_before.empty()
+                                                     ? nullptr
+                                                     : &(*call.stateful)[local(j)]);
+    RecomputeGuard recompute;
+    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
+    SkipScope skips(
+        [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
+        [&](const std::string& name) { return recompute_pop(sv.popped, stashed, name); });
+    Tensors out = (*run.forwards)[local(j)](sv.inputs);
+    if (last) {
+      phase = "loss of micro-batch";
+      at::Tensor loss = call.loss(i, out, sv.targets);
+      call.losses[static_cast<size_t>(i)] = loss.detach();
+      roots = {loss};
+    } else {
+      roots = std::move(out);
+    }
+  }
+  if (sv.checkpointed) phase = split ? "input gradient of micro-batch" : "backward of micro-batch";
+  c10::optional<TaskSpan> span;  // ends before the hand-off, as in forward_action
+  span.emplace(call.recorder, j, i, split ? TaskKind::BackwardInput : TaskKind::Backward,
+               stage.device, stage.compute);
+  std::vector<at::Tensor> r, g;
+  for (size_t k = 0; k < roots.size(); ++k) {
+    if (!roots[k].requires_grad()) continue;
+    if (last) {
+      r.push_back(roots[k]);
+      g.emplace_back();  // the loss: implicitly 1
+    } else if (k < grads.size() && grads[k].defined()) {
+      r.push_back(roots[k]);
+      g.push_back(grads[k]);
+    }
+  }
+  for (const auto& s : stashed) {
+    at::Tensor gs = run.transport->receive(j, Key{Key::SkipGradient, i, s.first})[0];
+    if (s.second.requires_grad() && gs.defined()) {
+      r.push_back(s.second);
+      g.push_back(gs);
+    }
+  }
+  Tensors input_grads(sv.inputs.size());
+  std::map<std::string, at::Tensor> popped_grads;
+  BackwardScope backward_scope;  // Note [Backward on the worker's thread]
+  if (call.chained) {  // Note [Chained backward]: chunk i's nodes, from the last chunk down
+    // Stage 0's inputs are the caller's tensors (kept only for a recompute):
+    // their gradients go on through the caller's graph.
+    Tensors leaves = j > 0 ? sv.inputs : Tensors();
+    if (j == 0) input_grads.clear();
+    for (const auto& p : sv.popped) leaves.push_back(p.second);
+    const Tensors got = run.chains[local(j)].backward(r, g, sv.nodes, leaves,
+                                                      /*final=*/i == 0, run.stops);
+    const size_t n_in = j > 0 ? sv.inputs.size() : 0;
+    for (size_t k = 0; k < n_in; ++k) input_grads[k] = got[k];
+    size_t at = n_in;
+    for (const auto& p : sv.popped) popped_grads[p.first] = got[at++];
+  } else if (!split) {
+    if (!r.empty()) torch::autograd::backward(r, g);
+    for (size_t k = 0; k < sv.inputs.size(); ++k) input_grads[k] = grad_of(sv.inputs[k]);
+    for (const auto& p : sv.popped) popped_grads[p.first] = grad_of(p.second);
+  } else {
+    // Note [Split backward]: the gradients of the inputs now, keeping the
+    // graph (and the gradients W needs) for W(i).
+    std::vector<at::Tensor> xs;
+    for (const auto& x : sv.inputs) {
+      if (x.defined() && x.requires_grad()) xs.push_back(x);
+    }
+    for (const auto& p : sv.popped) xs.push_back(p.second);
+    if (!r.empty()) {
+      sv.weights = WeightPass(r, g, xs);
+      if (!xs.empty()) {
+        const auto gx = torch::autograd::grad(r, xs, g, /*retain_graph=*/true,
+                                              /*create_graph=*/false, /*allow_unused=*/true);
+        size_t at = 0;
+        for (size_t k = 0; k < sv.inputs.size(); ++k) {
+          if (sv.inputs[k].defined() && sv.inputs[k].requires_grad()) input_grads[k] = gx[at++];
+        }
+        for (const auto& p : sv.popped) popped_grads[p.first] = gx[at++];
+      }
+    }
+  }
+  for (const auto& p : popped_grads) {
+    run.transport->send(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first},
+                        {p.second});
+  }
+  span.reset();
+  if (j > 0) {
+    run.transport->send(j, j - 1, Key{Key::Gradient, i, {}}, std::move(input_grads));
+  } else {
+    call.input_grads[static_cast<size_t>(i)] = std::move(input_grads);
+  }
+  if (!split) sv = Run::Saved{};  // this micro-batch's activations are free now
+}
+
+MPIPE_FUNC void Executor::weight_action(Run& run, int64_t j, int64_t i) {
+  CallSpec& call = *run.call;
+  const StagePlace& stage = place(j);
+  Run::Saved& sv = run.saved[local(j)][static_cast<size_t>(i)];
+  c10::OptionalStreamGuard stream_guard(stage.compute);
+  MicroBatchGuard micro_batch({i, call.n_items});
+  {
+    TaskSpan span(call.recorder, j, i, TaskKind::BackwardWeight, stage.device, stage.compute);
+    BackwardScope backward_scope;  // Note [Backward on the worker's thread]
+    sv.weights.run();
+  }
+  sv = Run::Saved{};  // this micro-batch's activations are free now
+}
+
+}  // namespace detail
+}  // namespace mpipe
