@@ -310,11 +310,11 @@ class ModelPipelineImpl : public torch::nn::Module {
   ModelPipelineImpl& append_stage(std::shared_ptr<torch::nn::Module> module,
                                   detail::StageForward forward, const DeviceArg& device);
 
-  /// Everything else a pipeline holds (mpipe/detail/pipeline/pipeline_state.h): the stages'
-  /// executor, the graph cache, the call lock, the last call's timeline and
-  /// memory figures; the call kinds are written on it.
-  struct State;
-  std::unique_ptr<State> state_;
+  /// Everything else a pipeline holds, one part per concern
+  /// (mpipe/detail/pipeline/session.h): the stages, their executor, the
+  /// call's life, the graph policy, the process group, the timeline.
+  struct Parts;
+  std::unique_ptr<Parts> parts_;
 };
 
 /// A holder for ModelPipelineImpl, as torch::nn's modules have.

@@ -21,13 +21,14 @@
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
 #include "mpipe/detail/pipeline/session-inl.h"
 #include "mpipe/detail/cuda/graph_policy-inl.h"
-#include "mpipe/detail/pipeline/calls-inl.h"
+#include "mpipe/detail/pipeline/call_checks-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/grad_norm-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"
+#include "mpipe/detail/pipeline/micro_batch_calls-inl.h"
 #include "mpipe/detail/pipeline/model_pipeline-inl.h"
 #include "mpipe/detail/pipeline/timeline-inl.h"
-#include "mpipe/detail/pipeline/train_steps-inl.h"
+#include "mpipe/detail/pipeline/time_step_calls-inl.h"
 
 #include "mpipe/detail/precision/autocast-inl.h"
 #include "mpipe/detail/precision/cast_grads-inl.h"
@@ -43,6 +44,7 @@
 // LibTorch; pipelines across processes need c10d's and Gloo's headers.
 #include "mpipe/detail/cuda/cuda.h"
 #include "mpipe/detail/distributed/group-inl.h"
+#include "mpipe/detail/distributed/pipeline_group-inl.h"
 #include "mpipe/detail/distributed/remote-inl.h"
 #include "mpipe/detail/distributed/remote_transport-inl.h"
 #ifdef MPIPE_WITH_C10D

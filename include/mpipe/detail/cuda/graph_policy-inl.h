@@ -8,7 +8,7 @@
 // training steps graphed or eager (Note [Graphs or summed casts]). The
 // graphs themselves are cuda/graphs.h's.
 
-#include "mpipe/detail/pipeline/pipeline_state.h"
+#include "mpipe/detail/cuda/graph_policy.h"
 
 #include "mpipe/detail/cuda/device_probe.h"
 #include "mpipe/detail/precision/autocast.h"
@@ -33,16 +33,32 @@ struct ScopedFlag {
   ScopedFlag& operator=(const ScopedFlag&) = delete;
 };
 
-}  // namespace detail
+/// The cache's key of a graphed call: `key` and every module's training flag.
+MPIPE_FUNC std::string graph_key(const torch::nn::Module& pipeline, const GraphKey& key) {
+  // A capture fixes each module's branch on its training flag: a stage put
+  // in eval (or train) mode on its own is another graph.
+  std::string modes;
+  for (const auto& m : pipeline.modules(/*include_self=*/false)) modes += m->is_training() ? '1' : '0';
+  return key.str() + "|" + modes;
+}
 
-MPIPE_FUNC bool ModelPipelineImpl::State::could_graph(const at::Tensor& x) const {
-  if (!graphs || c10::GradMode::is_enabled() || !x.is_cuda() || self.options.record_timeline()) {
+/// The parameters and buffers a graph reads in place.
+MPIPE_FUNC std::vector<at::Tensor> watched_tensors(const torch::nn::Module& pipeline) {
+  std::vector<at::Tensor> watched = pipeline.parameters();
+  for (auto& b : pipeline.buffers()) watched.push_back(std::move(b));
+  return watched;
+}
+
+MPIPE_FUNC bool GraphPolicy::could_graph(const ModelPipelineImpl& pipeline, const Stages& stages,
+                                         const at::Tensor& x) const {
+  if (!cache_ || c10::GradMode::is_enabled() || !x.is_cuda() ||
+      pipeline.options.record_timeline()) {
     return false;  // a replay has no tasks to record (Note [Timeline])
   }
-  for (const auto& d : devices) {
+  for (const auto& d : stages.devices) {
     if (d != x.device()) return false;  // one device per graph (at::cuda::CUDAGraph)
   }
-  for (const auto& stage : stateful) {
+  for (const auto& stage : stages.stateful) {
     for (const auto& m : stage) {
       if (m.state->holds_state()) return false;
     }
@@ -50,51 +66,44 @@ MPIPE_FUNC bool ModelPipelineImpl::State::could_graph(const at::Tensor& x) const
   return true;
 }
 
-MPIPE_FUNC bool ModelPipelineImpl::State::graphable(const at::Tensor& x) const {
-  return self.options.cuda_graphs() && could_graph(x);
-}
-
-MPIPE_FUNC bool ModelPipelineImpl::State::auto_graphable(const at::Tensor& x) const {
-  if (!self.options.auto_cuda_graphs() || self.options.cuda_graphs() || distributed() ||
-      self.options.track_memory() || !could_graph(x)) {
+MPIPE_FUNC bool GraphPolicy::auto_graphable(const ModelPipelineImpl& pipeline,
+                                            const Stages& stages, const at::Tensor& x) const {
+  const ModelPipelineOptions& o = pipeline.options;
+  if (!o.auto_cuda_graphs() || o.cuda_graphs() || o.process_group().defined() ||
+      o.track_memory() || !could_graph(pipeline, stages, x)) {
     return false;  // (a replay allocates nothing: a memory report would show another call)
   }
-  for (const auto& stage : stateful) {
+  for (const auto& stage : stages.stateful) {
     if (!stage.empty()) return false;  // a graph would reset the state a call carries
   }
   // A module in training mode that holds buffers (BatchNorm) updates them in
   // every call: the capturing call's warm-up would update them twice.
-  for (const auto& m : self.modules(/*include_self=*/false)) {
+  for (const auto& m : pipeline.modules(/*include_self=*/false)) {
     if (m->is_training() && !m->buffers(/*recurse=*/false).empty()) return false;
   }
   return true;
 }
 
-MPIPE_FUNC std::string ModelPipelineImpl::State::graph_key(const detail::GraphKey& key) const {
-  // A capture fixes each module's branch on its training flag: a stage put
-  // in eval (or train) mode on its own is another graph.
-  std::string modes;
-  for (const auto& m : self.modules(/*include_self=*/false)) modes += m->is_training() ? '1' : '0';
-  return key.str() + "|" + modes;
-}
-
-MPIPE_FUNC std::vector<at::Tensor> ModelPipelineImpl::State::watched_tensors() const {
-  std::vector<at::Tensor> watched = self.parameters();
-  for (auto& b : self.buffers()) watched.push_back(std::move(b));
-  return watched;
-}
-
-MPIPE_FUNC at::Tensor ModelPipelineImpl::State::graphed_or_eager(
-    const std::string& key, const std::vector<at::Tensor>& watched, const at::Tensor& x,
-    const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
-  detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-  detail::ScopedFlag graph_run(in_graph_run);  // lanes(0) means 2 lanes in a graph (calls-inl.h)
-  at::Tensor out = detail::run_graphed(
-      *graphs, key, x, watched,
-      [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
-      [this] { reset_states(self); });
-  if (out.defined()) reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
+MPIPE_FUNC at::Tensor GraphPolicy::replay(ModelPipelineImpl& pipeline, const std::string& key,
+                                          const std::vector<at::Tensor>& watched,
+                                          const at::Tensor& x, const Eager& eager) {
+  PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+  ScopedFlag graph_run(in_graph_run_);  // lanes(0) means 2 lanes in a graph (Note [Lanes])
+  at::Tensor out = run_graphed(
+      *cache_, key, x, watched, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
+      [&pipeline] { reset_states(pipeline); });
+  if (out.defined()) reset_states(pipeline);  // Note [CUDA graphs]: state does not outlive a graphed call
   return out;  // undefined: the cache is full, run eagerly
+}
+
+MPIPE_FUNC at::Tensor GraphPolicy::call(ModelPipelineImpl& pipeline, const Stages& stages,
+                                        const GraphKey& key, const at::Tensor& x,
+                                        const Eager& eager) {
+  if (pipeline.options.cuda_graphs() && could_graph(pipeline, stages, x)) {
+    return replay(pipeline, graph_key(pipeline, key), watched_tensors(pipeline), x, eager);
+  }
+  if (auto_graphable(pipeline, stages, x)) return auto_graphed(pipeline, stages, key, x, eager);
+  return {};
 }
 
 // Note [Automatic CUDA graphs]
@@ -134,26 +143,26 @@ constexpr size_t kMaxAutoGraphs = 4;
 constexpr int kAutoEagerRuns = 2;
 constexpr int kAutoMoves = 2;
 
-MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
-    const detail::GraphKey& key, const at::Tensor& x,
-    const std::function<at::Tensor(const at::Tensor&, bool)>& eager) {
-  const std::string k = graph_key(key);
-  const std::vector<at::Tensor> watched = watched_tensors();
-  const detail::Held held = detail::holds_graph(*graphs, k, watched);
+
+MPIPE_FUNC at::Tensor GraphPolicy::auto_graphed(ModelPipelineImpl& pipeline, const Stages& stages,
+                                                const GraphKey& key, const at::Tensor& x,
+                                                const Eager& eager) {
+  const std::string k = graph_key(pipeline, key);
+  const std::vector<at::Tensor> watched = watched_tensors(pipeline);
+  const Held held = holds_graph(*cache_, k, watched);
   // An eager call takes its seed from the CPU generator (Note [Random draws]);
   // a replayed one takes it too, so that later draws do not tell them apart.
-  auto as_eager_draws = [this] { (void)detail::CallRng::begin(devices); };
-  if (held == detail::Held::Held) {
+  auto as_eager_draws = [&stages] { (void)CallRng::begin(stages.devices); };
+  if (held == Held::Held) {
     as_eager_draws();
-    return graphed_or_eager(k, watched, x, eager);
+    return replay(pipeline, k, watched, x, eager);
   }
-  if (auto_graphs.size() >= 256 && auto_graphs.count(k) == 0) auto_graphs.clear();  // many shapes
-  AutoGraph& seen = auto_graphs[k];
-  if (held == detail::Held::Moved && ++seen.moved > kAutoMoves) seen.refused = true;
-  if (!seen.refused && seen.eager_runs >= kAutoEagerRuns &&
-      detail::graphs_held(*graphs) < kMaxAutoGraphs) {
+  if (auto_graphs_.size() >= 256 && auto_graphs_.count(k) == 0) auto_graphs_.clear();  // many shapes
+  AutoGraph& seen = auto_graphs_[k];
+  if (held == Held::Moved && ++seen.moved > kAutoMoves) seen.refused = true;
+  if (!seen.refused && seen.eager_runs >= kAutoEagerRuns && graphs_held(*cache_) < kMaxAutoGraphs) {
     try {
-      at::Tensor out = graphed_or_eager(k, watched, x, eager);
+      at::Tensor out = replay(pipeline, k, watched, x, eager);
       if (out.defined()) {
         as_eager_draws();
         return out;
@@ -162,23 +171,11 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::State::auto_graphed(
       seen.refused = true;  // the capture failed: this key runs eagerly from now on
     }
   }
-  const uint64_t draws = detail::draws_seen();
-  at::Tensor out = eager(x, self.options.worker_threads());
-  if (detail::draws_seen() != draws) seen.refused = true;
+  const uint64_t draws = draws_seen();
+  at::Tensor out = eager(x, pipeline.options.worker_threads());
+  if (draws_seen() != draws) seen.refused = true;
   ++seen.eager_runs;
   return out;
-}
-
-MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
-                                                         const at::Tensor& target) const {
-  if (x.requires_grad() || (self.is_training() && self.options.checkpoint() != Checkpoint::Never)) {
-    return false;  // input gradients leave the graph; a recompute is not captured
-  }
-  if (target.defined() && target.device() != x.device()) return false;
-  // graphable()'s rules apart from grad mode (it also refuses while a timeline
-  // is recorded).
-  c10::NoGradGuard no_grad;
-  return graphable(x);
 }
 
 // Note [Graphs or summed casts]
@@ -191,34 +188,44 @@ MPIPE_FUNC bool ModelPipelineImpl::State::step_graphable(const at::Tensor& x,
 // wide-mlp-bf16-linear's graphed step took 60.6 ms against 49.3 ms eager
 // (issue 33). So such a step runs eagerly, cuda_graphs or not (46.38 against
 // 46.36 ms after, bench/RESULTS.md), unless accumulate_cast_grads is off.
-MPIPE_FUNC bool ModelPipelineImpl::State::casts_beat_graphs(const at::Tensor& x) const {
-  if (!self.options.accumulate_cast_grads() || !cast_linears) return false;
-  const auto autocast = detail::AutocastState::current();
+MPIPE_FUNC bool casts_beat_graphs(const ModelPipelineImpl& pipeline, const Stages& stages,
+                                  const at::Tensor& x) {
+  if (!pipeline.options.accumulate_cast_grads() || !stages.cast_linears) return false;
+  const auto autocast = AutocastState::current();
   return x.is_cuda() ? autocast.cuda : autocast.cpu;
 }
 
-MPIPE_FUNC at::Tensor ModelPipelineImpl::State::run_step(
-    const detail::GraphKey& key, const at::Tensor& x, const at::Tensor& target,
-    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>& eager) {
-  if (self.options.cuda_graphs() && step_graphable(x, target) && !casts_beat_graphs(x)) {
-    detail::PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-    // Graphed steps keep autograd's accumulation (Note [Cast gradients per step]).
-    detail::ScopedFlag graphed(in_graphed_step);
-    at::Tensor loss = detail::run_graphed_step(
-        *graphs, graph_key(key), {x, target}, self.parameters(),
-        [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
-        [this] { reset_states(self); });
-    if (loss.defined()) {
-      reset_states(self);  // Note [CUDA graphs]: state does not outlive a graphed call
-      return loss;
-    }
+MPIPE_FUNC at::Tensor GraphPolicy::step(ModelPipelineImpl& pipeline, const Stages& stages,
+                                        const GraphKey& key, const at::Tensor& x,
+                                        const at::Tensor& target, const EagerStep& eager) {
+  if (!pipeline.options.cuda_graphs() || x.requires_grad() ||
+      (pipeline.is_training() && pipeline.options.checkpoint() != Checkpoint::Never) ||
+      (target.defined() && target.device() != x.device()) ||
+      casts_beat_graphs(pipeline, stages, x)) {
+    return {};  // input gradients leave the graph; a recompute is not captured
   }
-  return eager(x, target, self.options.worker_threads());
+  {
+    // could_graph's rules apart from grad mode (it also refuses while a
+    // timeline is recorded).
+    c10::NoGradGuard no_grad;
+    if (!could_graph(pipeline, stages, x)) return {};
+  }
+  PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+  // Graphed steps keep autograd's accumulation (Note [Cast gradients per step]).
+  ScopedFlag graphed(in_graphed_step_);
+  at::Tensor loss = run_graphed_step(
+      *cache_, graph_key(pipeline, key), {x, target}, pipeline.parameters(),
+      [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+      [&pipeline] { reset_states(pipeline); });
+  if (loss.defined()) reset_states(pipeline);  // Note [CUDA graphs]: state does not outlive a graphed call
+  return loss;
 }
 
-MPIPE_FUNC void ModelPipelineImpl::State::drop_graphs() {
-  if (graphs) graphs = detail::make_graph_cache();
-  auto_graphs.clear();
+MPIPE_FUNC void GraphPolicy::drop() {
+  if (cache_) cache_ = make_graph_cache();
+  auto_graphs_.clear();
 }
+
+}  // namespace detail
 
 }  // namespace mpipe

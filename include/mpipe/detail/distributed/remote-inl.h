@@ -232,7 +232,11 @@ MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
   if (--busy_ == 0) changed_.notify_all();
 }
 
-MPIPE_FUNC void RemoteCall::attach(RemoteTransport* transport) {
+MPIPE_FUNC std::unique_ptr<Transport> RemoteCall::attach(
+    LocalTransport& local, int64_t first, int64_t end, SkipTable* skips,
+    std::function<void(std::exception_ptr)> fail) {
+  auto owned = std::make_unique<RemoteTransport>(local, *this, first, end, skips, std::move(fail));
+  RemoteTransport* transport = owned.get();
   if (chaos_on_) {  // the debug hook: a late attach (Note [Message addresses])
     std::unique_lock<std::mutex> lock(mutex_);
     const auto pause = chaos_() % 3 == 0 ? 20000 + chaos_() % 40000 : chaos_() % 2000;
@@ -254,6 +258,7 @@ MPIPE_FUNC void RemoteCall::attach(RemoteTransport* transport) {
   if (!failure.empty()) transport->peer_failed(failure);
   std::lock_guard<std::mutex> lock(mutex_);
   if (--busy_ == 0) changed_.notify_all();
+  return owned;
 }
 
 MPIPE_FUNC void RemoteCall::detach() {

@@ -56,12 +56,12 @@ struct Layout {
 class RemoteTransport;
 
 /// One call of a pipeline across processes, on every one of its ranks.
-class RemoteCall {
+class RemoteCall : public CallLink {
  public:
   /// `device_of(stage)`: the device of this rank's stage `stage`.
   RemoteCall(const distributed::ProcessGroup& group, const Layout& layout, int64_t pipeline_id,
              int64_t seq, std::function<c10::Device(int64_t)> device_of);
-  ~RemoteCall();
+  ~RemoteCall() override;
 
   const distributed::ProcessGroup& group() const { return group_; }
   const Layout& layout() const { return layout_; }
@@ -74,12 +74,15 @@ class RemoteCall {
   /// Another rank: the first rank's call, which must be `method` too.
   CallInfo await_call(const char* method);
 
-  /// The call's transport, once per call, while the executor runs it. A
-  /// peer's messages that arrive before attach are kept and handed to it
-  /// then; after detach, what still comes is dropped (Note [Message
-  /// addresses]).
-  void attach(RemoteTransport* transport);
-  void detach();
+  std::chrono::milliseconds timeout() const override { return group_.timeout(); }
+  /// The call's transport (a RemoteTransport), once per call, while the
+  /// executor runs it. A peer's messages that arrive before attach are kept
+  /// and handed to it then; after detach, what still comes is dropped (Note
+  /// [Message addresses]).
+  std::unique_ptr<Transport> attach(LocalTransport& local, int64_t first, int64_t end,
+                                    SkipTable* skips,
+                                    std::function<void(std::exception_ptr)> fail) override;
+  void detach() override;
 
   /// Sends `m` (a Data message) to `peer`.
   void post(int64_t peer, WireMessage m) { link_->post(peer, std::move(m)); }

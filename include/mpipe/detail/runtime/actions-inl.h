@@ -200,7 +200,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
         phase = "loss of micro-batch";
         at::Tensor loss = call.loss(i, out, targets);
         call.losses[static_cast<size_t>(i)] = loss.detach();
-        sv->outputs = {loss};
+        sv->outputs = {call.loss_scale != 1.0 ? loss * call.loss_scale : loss};
       }
     } else {
       call.sink(i, std::move(out));

@@ -149,7 +149,7 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
       phase = "loss of micro-batch";
       at::Tensor loss = call.loss(i, out, sv.targets);
       call.losses[static_cast<size_t>(i)] = loss.detach();
-      roots = {loss};
+      roots = {call.loss_scale != 1.0 ? loss * call.loss_scale : loss};
     } else {
       roots = std::move(out);
     }

@@ -10,7 +10,6 @@
 #include "mpipe/detail/runtime/chunk_chain.h"
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/recorder.h"
-#include "mpipe/detail/distributed/remote.h"
 #include "mpipe/detail/runtime/skips.h"
 #include "mpipe/detail/runtime/split_backward.h"
 #include "mpipe/detail/runtime/streams.h"
@@ -211,7 +210,7 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   if (call.n_items == 1 && !call.remote) threaded = false;
   run->local = std::make_unique<LocalTransport>(
       stages_, first_, threaded || call.remote != nullptr, call.recorder,
-      call.remote ? call.remote->group().timeout() : std::chrono::milliseconds(0));
+      call.remote ? call.remote->timeout() : std::chrono::milliseconds(0));
   run->transport = run->local.get();
   const bool lanes = call.lanes > 1 && !call.training && !call.remote;
   if (lanes) {
@@ -222,12 +221,6 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
     };
   } else {
     call.lanes = 1;
-  }
-  if (call.remote) {
-    run->remote = std::make_unique<RemoteTransport>(
-        *run->local, *call.remote, first_, first_ + n_local, &run->skips,
-        [r = run.get()](std::exception_ptr e) { r->fail(std::move(e)); });
-    run->transport = run->remote.get();
   }
   for (const auto& t : call.caller_tensors) {
     if (!t.defined() || t.device().is_cpu() || run->entries.count(t.device().str())) continue;
@@ -251,12 +244,17 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   }
   fork();
   struct Detach {  // no message reaches the transport once this call is over
-    RemoteCall* remote;
+    CallLink* remote;
     ~Detach() {
       if (remote) remote->detach();
     }
   } detach{call.remote};
-  if (call.remote) call.remote->attach(run->remote.get());
+  if (call.remote) {
+    run->remote = call.remote->attach(
+        *run->local, first_, first_ + n_local, &run->skips,
+        [r = run.get()](std::exception_ptr e) { r->fail(std::move(e)); });
+    run->transport = run->remote.get();
+  }
 
   if (threaded) {
     std::lock_guard<std::mutex> queue_lock(queue_mutex());  // Note [Shared streams and workers]
@@ -293,6 +291,20 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
     } catch (...) {
       run->error = describe_failure(call, "summing the cast weights' gradients after micro-batch",
                                     first_ + static_cast<int64_t>(j), call.n_items - 1);
+    }
+  }
+  // The step's loss, on the last stage's stream, in item order: the join
+  // below makes it the caller's too.
+  call.loss_sum = at::Tensor();
+  if (call.training && !run->error && first_ + n_local == n_stages) {
+    try {
+      c10::OptionalStreamGuard last_stage(stages_.back().compute);
+      for (const auto& l : call.losses) {
+        if (l.defined()) call.loss_sum = call.loss_sum.defined() ? call.loss_sum + l : l;
+      }
+    } catch (...) {
+      run->error = describe_failure(call, "summing the losses after micro-batch", n_stages - 1,
+                                    call.n_items - 1);
     }
   }
   join();  // also after a failure: the caller may free what the stages used

@@ -28,7 +28,6 @@ namespace mpipe {
 namespace detail {
 
 class Recorder;           // recorder.h
-class RemoteCall;         // remote.h
 
 // Note [One runtime]
 // ~~~~~~~~~~~~~~~~~~
@@ -108,6 +107,9 @@ struct CallSpec {
   /// The weighted loss of item i from the last stage's outputs and the targets
   /// (runs on the last stage, its stream current).
   std::function<at::Tensor(int64_t, const Tensors&, const Tensors&)> loss;
+  /// Backward starts from each loss times this (GradScaler's scale); the
+  /// losses reported are not scaled.
+  double loss_scale = 1.0;
   Checkpoint checkpoint = Checkpoint::Never;
   /// Each stage's Stateful modules (Note [State snapshots]).
   const std::vector<std::vector<StatefulModule>>* stateful = nullptr;
@@ -116,10 +118,13 @@ struct CallSpec {
   /// mpipe::Linear sums its cast weight's gradients per stage and step (Note
   /// [Cast gradients per step]).
   bool accumulate_cast_grads = false;
-  /// Results: the gradients of stage 0's inputs per item ([item][input]), and
-  /// each item's loss, detached.
+  /// Results: the gradients of stage 0's inputs per item ([item][input]),
+  /// each item's loss, detached, and on the rank of the last stage the
+  /// step's loss: theirs summed in item order on the last stage's stream,
+  /// before the caller's streams join the stages'.
   std::vector<Tensors> input_grads;
   std::vector<at::Tensor> losses;
+  at::Tensor loss_sum;
 
   /// Forward calls: stage j (local index) spreads its items over `lanes`
   /// streams when `lane_stages[j]` (Note [Lanes]).
@@ -130,7 +135,7 @@ struct CallSpec {
 
   /// A call across processes (Note [Cross-process calls]): programs name
   /// global stages, and this process runs the operations of its own.
-  RemoteCall* remote = nullptr;
+  CallLink* remote = nullptr;
 };
 
 /// A thread that runs queued tasks in order. Workers are shared by every

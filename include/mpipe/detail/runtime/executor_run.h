@@ -15,7 +15,6 @@
 #include "mpipe/detail/runtime/split_backward.h"
 #include "mpipe/detail/runtime/state_snapshot.h"
 #include "mpipe/detail/runtime/transport.h"
-#include "mpipe/detail/distributed/remote.h"
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
@@ -73,7 +72,7 @@ struct Executor::Run {
   CallSpec* call = nullptr;
   const std::vector<StageForward>* forwards = nullptr;
   std::unique_ptr<LocalTransport> local;
-  std::unique_ptr<RemoteTransport> remote;  // a call across processes
+  std::unique_ptr<Transport> remote;  // a call across processes (CallLink::attach)
   Transport* transport = nullptr;           // remote, else local
   std::map<std::string, std::shared_ptr<c10::Event>> entries;  // by device: the caller's work
   at::ThreadLocalState tls;

@@ -57,6 +57,20 @@ class Recorder {
   std::vector<Entry> entries_;
 };
 
+/// The timeline of a pipeline's last recorded call: kept as its recorder
+/// until asked for, so that a call waits for no timing event.
+struct TimelineSlot {
+  std::shared_ptr<Recorder> pending;
+  Timeline resolved;
+  const Timeline& get() {
+    if (pending) {
+      resolved = pending->finish();
+      pending.reset();
+    }
+    return resolved;
+  }
+};
+
 /// Records one task for its scope's duration; does nothing without a recorder.
 class TaskSpan {
  public:

@@ -24,6 +24,7 @@ namespace mpipe {
 namespace detail {
 
 class Recorder;
+class SkipTable;
 
 /// Where a stage runs: its device and, on an accelerator, the stream all its
 /// kernels are launched on (none for CPU stages).
@@ -147,6 +148,26 @@ class LocalTransport : public Transport {
   std::map<std::pair<int64_t, Key>, Parcel> parcels_;
   bool aborted_ = false;
   std::string failure_;  // another process failed (fail())
+};
+
+/// A call across processes as the executor sees it (Note [Cross-process
+/// calls] in distributed/remote-inl.h, where RemoteCall implements it): the
+/// runtime knows no more of the other ranks than this, so it includes
+/// nothing of distributed/.
+class CallLink {
+ public:
+  virtual ~CallLink() = default;
+  /// How long a stage waits for another rank's message (0: no limit).
+  virtual std::chrono::milliseconds timeout() const = 0;
+  /// The call's transport, around `local` (this process's stages [first,
+  /// end)), attached once per call: messages that came before it are handed
+  /// to it now. `fail` ends the executor's run.
+  virtual std::unique_ptr<Transport> attach(LocalTransport& local, int64_t first, int64_t end,
+                                            SkipTable* skips,
+                                            std::function<void(std::exception_ptr)> fail) = 0;
+  /// The transport stops receiving; what still comes is dropped. Waits out
+  /// the hand-offs in flight, so the transport may be destroyed after.
+  virtual void detach() = 0;
 };
 
 }  // namespace detail

@@ -2,31 +2,96 @@
 
 #include "mpipe/detail/config.h"
 
-// The parts of a training step besides its run: the loss of the last stage's
-// outputs, the checks of TrainStepOptions (schedules and given programs), and
-// the gradient all-reduce across data-parallel replicas.
+// What the call kinds share: the checks of their arguments and options, and
+// a training step's loss.
 
-#include "mpipe/model_pipeline.h"
-#include "mpipe/schedule.h"
+#include "mpipe/detail/pipeline/call_checks.h"
+
 #include "mpipe/simulate.h"
-#include "mpipe/training.h"
-#include "mpipe/detail/distributed/remote.h"
 #include "mpipe/detail/runtime/errors.h"
+#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/streams.h"
+#include "mpipe/detail/runtime/time_chunks.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <string>
-#include <vector>
 
 namespace mpipe {
 namespace detail {
 
+MPIPE_FUNC void check_runnable(const PipelineView& p, const char* method, const at::Tensor* x,
+                               bool time_major) {
+  // Across processes the first rank checks its inputs as it splits them, and
+  // a rank without stages is named to every rank at the first call, so that
+  // every rank hears of it (Note [Cross-process calls]).
+  if (p.distributed()) return;
+  TORCH_CHECK(p.stages.size() > 0, "mpipe::ModelPipeline::", method,
+              ": the pipeline has no stages; add them with append(module, device)");
+  if (!x) return;
+  TORCH_CHECK(x->defined(), "mpipe::ModelPipeline::", method, ": the input is an undefined tensor");
+  if (time_major) {
+    TORCH_CHECK(x->dim() >= 2, "mpipe::ModelPipeline::", method,
+                ": x_seq must be [T, N, ...] (time, then batch), got shape ", x->sizes());
+    TORCH_CHECK(x->size(0) > 0, "mpipe::ModelPipeline::", method,
+                ": the sequence has no time steps (T = 0), shape ", x->sizes());
+  }
+  const int64_t batch_dim = time_major ? 1 : 0;
+  TORCH_CHECK(x->dim() > batch_dim, "mpipe::ModelPipeline::", method,
+              ": the input needs a batch dimension (dim 0), got a 0-dim tensor");
+  TORCH_CHECK(x->size(batch_dim) > 0, "mpipe::ModelPipeline::", method,
+              ": the input's batch is empty (size 0 along dim ", batch_dim, "), shape ",
+              x->sizes());
+}
+
+MPIPE_FUNC int64_t chunk_of(const ModelPipelineOptions& options, const char* method,
+                            std::optional<int64_t> arg) {
+  if (arg) {
+    TORCH_CHECK(*arg >= 1, "mpipe::ModelPipeline::", method, ": time_chunk (time steps per "
+                "stage call) must be >= 1, got ", *arg);
+    return *arg;
+  }
+  if (options.step_mode() == snn::StepMode::Single) return 0;
+  TORCH_CHECK(options.time_chunk() >= 0, "mpipe::ModelPipeline::", method,
+              ": ModelPipelineOptions::time_chunk (time steps per stage call) must be >= 1, or 0 "
+              "for the pipeline's choice, got ", options.time_chunk());
+  return options.time_chunk() == 0 ? kAutoChunk : options.time_chunk();
+}
+
+MPIPE_FUNC std::optional<Split> split_of(const ModelPipelineOptions& options, const char* method,
+                                         std::optional<Split> arg,
+                                         const std::vector<Input>& inputs) {
+  if (arg) {
+    split_rows(*arg, method, 1);  // refuses a value below 1, naming it
+    return arg;
+  }
+  TORCH_CHECK(options.time_micro_batches() >= 0, "mpipe::ModelPipeline::", method,
+              ": ModelPipelineOptions::time_micro_batches must be >= 1, or 0 for the "
+              "pipeline's choice, got ", options.time_micro_batches());
+  bool batched = false;
+  for (const auto& in : inputs) batched |= in.batched;
+  if (options.time_micro_batches() == 0 || !batched) return std::nullopt;
+  return Split::chunks(options.time_micro_batches());
+}
+
+MPIPE_FUNC void check_grad_mode(const char* method) {
+  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
+              "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
+              "InferenceMode is active); a training step needs them");
+}
+
+MPIPE_FUNC void check_loss_fn(const char* method, const LossFunction& loss_fn) {
+  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::", method, ": loss_fn is empty");
+}
+
 /// loss_fn(out, target), its errors marked as the loss function's (and as
 /// `method`'s, when the executor does not name the call itself).
 MPIPE_FUNC at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& out,
-                                const at::Tensor& target, const char* method = nullptr) {
+                                const at::Tensor& target, const char* method) {
   std::string what;
   try {
     return loss_fn(out, target);
@@ -39,11 +104,9 @@ MPIPE_FUNC at::Tensor call_loss(const LossFunction& loss_fn, const at::Tensor& o
               "the loss function failed: ", what);
 }
 
-/// The loss of the last stage's outputs `out`: one output in, one value out
-/// (0-dim). `method` prefixes the messages when the caller does not name the
-/// call itself (the executor does).
+/// The loss of the last stage's outputs (call_checks.h).
 MPIPE_FUNC at::Tensor scalar_loss(const LossFunction& loss_fn, const Tensors& out,
-                                  const at::Tensor& target, const char* method = nullptr) {
+                                  const at::Tensor& target, const char* method) {
   const std::string prefix =
       method ? c10::str("mpipe::ModelPipeline::", method, ": ") : std::string();
   TORCH_CHECK(out.size() == 1, prefix, "the last stage returned ", out.size(),
@@ -56,10 +119,23 @@ MPIPE_FUNC at::Tensor scalar_loss(const LossFunction& loss_fn, const Tensors& ou
   return loss.reshape({});
 }
 
-/// CallInfo::schedule of a step that runs TrainStepOptions::programs.
-constexpr int64_t kGivenPrograms = -1;
+MPIPE_FUNC void check_checkpointable(const PipelineView& p, const char* method, bool except_last) {
+  const int64_t first = p.executor.first_stage(), last = p.n_stages() - 1;
+  const auto& stateful = p.stages.stateful;
+  for (size_t j = 0; j < stateful.size(); ++j) {
+    const int64_t stage = first + static_cast<int64_t>(j);
+    if (except_last && stage == last) continue;
+    for (const auto& m : stateful[j]) {
+      TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
+                  ": stage ", stage, " holds a stateful module without state snapshots: ", m.name,
+                  ". Checkpointing runs a stage again in backward and must start that module "
+                  "from the state its forward saw; implement supports_state_snapshots(), "
+                  "save_state() and load_state() (Note [State snapshots] in mpipe/state.h), "
+                  "or use Checkpoint::Never");
+    }
+  }
+}
 
-/// A fingerprint of `programs`, so that ranks can check they were given the same.
 MPIPE_FUNC int64_t fingerprint(const std::vector<schedules::Program>& programs) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over every operation's fields
   auto mix = [&](int64_t v) {
@@ -77,8 +153,6 @@ MPIPE_FUNC int64_t fingerprint(const std::vector<schedules::Program>& programs) 
   return static_cast<int64_t>(h & 0x7fffffffffffffffull) | 1;  // never 0 (no programs)
 }
 
-/// TrainStepOptions::programs, refused unless they run this step: every
-/// operation once, one worker per stage, no cycle (schedules::simulate).
 MPIPE_FUNC void check_programs(const std::vector<schedules::Program>& programs, int64_t n_stages,
                                int64_t n_micro) {
   try {
@@ -91,8 +165,6 @@ MPIPE_FUNC void check_programs(const std::vector<schedules::Program>& programs, 
   }
 }
 
-/// TrainStepOptions' values against this pipeline; bad ones throw
-/// c10::ValueError, as check_programs does.
 MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
   const bool interleaved =
@@ -131,77 +203,10 @@ MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
                     "got ", step.memory_limit());
 }
 
-/// A label per stage: stages on one device share it.
-MPIPE_FUNC std::vector<int64_t> device_labels(const std::vector<c10::Device>& devices) {
-  std::vector<int64_t> labels;
-  for (size_t s = 0; s < devices.size(); ++s) {
-    int64_t label = static_cast<int64_t>(s);
-    for (size_t q = 0; q < s; ++q) {
-      if (devices[q] == devices[s]) {
-        label = labels[q];
-        break;
-      }
-    }
-    labels.push_back(label);
-  }
-  return labels;
+MPIPE_FUNC Tensors for_caller(Tensors out) {
+  for (const auto& t : out) record_on_current(t);
+  return out;
 }
-
-MPIPE_FUNC void check_grad_mode(const char* method) {
-  TORCH_CHECK(c10::GradMode::is_enabled() && !c10::InferenceMode::is_enabled(),
-              "mpipe::ModelPipeline::", method, ": gradients are off (NoGradGuard or "
-              "InferenceMode is active); a training step needs them");
-}
-
-/// A training step's loss function, checked where the loss is taken (the
-/// last rank across processes).
-MPIPE_FUNC void check_loss_fn(const char* method, const LossFunction& loss_fn) {
-  TORCH_CHECK(static_cast<bool>(loss_fn), "mpipe::ModelPipeline::", method, ": loss_fn is empty");
-}
-
-// Note [Data parallel replicas]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// With GroupOptions::replicas R > 1, each replica trains on its own batch
-// and, after the step, what the step added to each parameter's gradient is
-// summed across the R replicas of its stage (one c10d allreduce per device
-// and dtype, on the group of those replicas), then divided by R for
-// LossReduction::Mean: the gradients of one step on the R batches together
-// (as many rows each). Gradients accumulated before the step are kept out of
-// the sum, so accumulation over several steps stays exact. The last ranks'
-// losses are reduced the same way.
-class ReplicaGradients {
- public:
-  ReplicaGradients(std::vector<at::Tensor> params, detail::RemoteCall* remote)
-      : remote_(remote && remote->group().replicas() > 1 ? remote : nullptr) {
-    if (!remote_) return;
-    params_ = std::move(params);
-    for (const auto& p : params_) {
-      before_.push_back(p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
-    }
-  }
-
-  void reduce(bool mean, at::Tensor& loss) {
-    if (!remote_) return;
-    std::vector<at::Tensor> added;
-    for (size_t k = 0; k < params_.size(); ++k) {
-      at::Tensor& p = params_[k];
-      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);  // every replica sends one
-      at::Tensor g = p.grad();
-      if (before_[k].defined()) g.sub_(before_[k]);
-      added.push_back(g);
-    }
-    if (loss.defined()) added.push_back(loss);
-    detail::allreduce_replicas(remote_->group(), added, mean);
-    for (size_t k = 0; k < params_.size(); ++k) {
-      if (before_[k].defined()) params_[k].grad().add_(before_[k]);
-    }
-  }
-
- private:
-  detail::RemoteCall* remote_;
-  std::vector<at::Tensor> params_, before_;
-};
 
 }  // namespace detail
-
 }  // namespace mpipe

@@ -1,0 +1,80 @@
+#pragma once
+
+// Private: which of a pipeline's calls run from CUDA graphs, and the graphs
+// it holds (one of ModelPipelineImpl::Parts, pipeline/session.h). The graphs
+// themselves are cuda/graphs.h's.
+
+#include "mpipe/model_pipeline.h"
+
+#include "mpipe/detail/cuda/graphs.h"
+#include "mpipe/detail/pipeline/stages.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+namespace detail {
+
+class GraphPolicy {
+ public:
+  /// A call run eagerly on `x` (and a step's target), threaded or inline.
+  using Eager = std::function<at::Tensor(const at::Tensor& x, bool threaded)>;
+  using EagerStep =
+      std::function<at::Tensor(const at::Tensor& x, const at::Tensor& target, bool threaded)>;
+
+  GraphPolicy() : cache_(make_graph_cache()) {}
+
+  /// A no-grad call of one tensor `x` of `pipeline`: replayed from a CUDA
+  /// graph (ModelPipelineOptions::cuda_graphs), or run as Note [Automatic
+  /// CUDA graphs] decides (auto_cuda_graphs). Undefined when the call runs
+  /// eagerly instead, which the caller then does.
+  at::Tensor call(ModelPipelineImpl& pipeline, const Stages& stages, const GraphKey& key,
+                  const at::Tensor& x, const Eager& eager);
+  /// A training step: replayed from a CUDA graph where a replay is exact
+  /// (Note [Graphs or summed casts]); undefined when it runs eagerly.
+  at::Tensor step(ModelPipelineImpl& pipeline, const Stages& stages, const GraphKey& key,
+                  const at::Tensor& x, const at::Tensor& target, const EagerStep& eager);
+
+  size_t held() const { return cache_ ? graphs_held(*cache_) : 0; }
+  /// Drops every graph: parameters moved or stages changed.
+  void drop();
+
+  /// A training step is being captured or warmed up: autograd sums cast
+  /// gradients (Note [Cast gradients per step] is not captured).
+  bool in_graphed_step() const { return in_graphed_step_; }
+  /// A no-grad call is being captured: lanes(0) means 2 lanes.
+  bool in_graph_run() const { return in_graph_run_; }
+
+ private:
+  /// Note [Automatic CUDA graphs]: what auto-capture knows of each key.
+  struct AutoGraph {
+    int eager_runs = 0;    // eager runs of this key so far
+    int moved = 0;         // graphs dropped because parameters moved
+    bool refused = false;  // it drew random numbers, or its capture failed
+  };
+
+  bool could_graph(const ModelPipelineImpl& pipeline, const Stages& stages,
+                   const at::Tensor& x) const;
+  bool auto_graphable(const ModelPipelineImpl& pipeline, const Stages& stages,
+                      const at::Tensor& x) const;
+  /// The call run from a graph, captured first if need be; undefined when
+  /// the cache is full.
+  at::Tensor replay(ModelPipelineImpl& pipeline, const std::string& key,
+                    const std::vector<at::Tensor>& watched, const at::Tensor& x,
+                    const Eager& eager);
+  at::Tensor auto_graphed(ModelPipelineImpl& pipeline, const Stages& stages,
+                          const GraphKey& key, const at::Tensor& x, const Eager& eager);
+
+  std::shared_ptr<GraphCache> cache_;  // null without CUDA
+  bool in_graphed_step_ = false;
+  bool in_graph_run_ = false;
+  std::map<std::string, AutoGraph> auto_graphs_;
+};
+
+}  // namespace detail
+}  // namespace mpipe
