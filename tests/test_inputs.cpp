@@ -8,6 +8,7 @@
 #include <mpipe/snn.h>
 
 #include <atomic>
+#include <chrono>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -232,5 +233,68 @@ TEST(Concurrency, CallsFromSeveralThreadsAreSerialised) {
     EXPECT_EQ(mismatches.load(), 0);
     EXPECT_EQ(failures.load(), 0);
     expect_usable(net);
+  }
+}
+
+// append() races calls: each call describes, checks and runs the stages that
+// were there when it took the call lock, never a pipeline half-appended. The
+// result of every call is some prefix of the stages' plain model.
+// scripts/sanitize.sh runs this under TSan.
+TEST(Concurrency, AppendRacesCallsAndEachCallSeesWholeStages) {
+  torch::manual_seed(7);
+  constexpr int kStages = 8;
+  std::vector<torch::nn::Linear> layers;
+  for (int s = 0; s < kStages; ++s) layers.emplace_back(4, 4);
+  const auto x = torch::randn({6, 4}), y = torch::randn({6, 4});
+  std::vector<torch::Tensor> prefix_out, prefix_loss;  // [k - 1]: the first k stages
+  {
+    torch::Tensor h = x;
+    for (int s = 0; s < kStages; ++s) {
+      h = layers[static_cast<size_t>(s)](h);
+      prefix_out.push_back(h.detach());
+      prefix_loss.push_back(mse(h, y).detach());
+    }
+  }
+  auto matches_prefix = [](const torch::Tensor& got, const std::vector<torch::Tensor>& want) {
+    for (const auto& w : want) {
+      if (got.sizes() == w.sizes() && torch::allclose(got, w, 1e-5, 1e-6)) return true;
+    }
+    return false;
+  };
+  for (bool threads : {true, false}) {
+    ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads));
+    pipe->append(layers[0], "cpu");
+    std::atomic<int> mismatches{0}, failures{0};
+    std::atomic<bool> appending{true};
+    auto caller = [&](int id) {
+      int calls = 0;
+      while (appending.load() || calls < 10) {
+        ++calls;
+        try {
+          if (id == 0) {
+            torch::NoGradGuard no_grad;
+            if (!matches_prefix(pipe->forward(x, 2), prefix_out)) ++mismatches;
+          } else {
+            const auto loss = pipe->train_step(x, y, mse, TrainStepOptions(3));
+            if (!matches_prefix(loss, prefix_loss)) ++mismatches;
+          }
+        } catch (...) {
+          ++failures;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int id = 0; id < 2; ++id) pool.emplace_back(caller, id);
+    for (int s = 1; s < kStages; ++s) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      pipe->append(layers[static_cast<size_t>(s)], "cpu");
+    }
+    appending = false;
+    for (auto& t : pool) t.join();
+    EXPECT_EQ(mismatches.load(), 0);
+    EXPECT_EQ(failures.load(), 0);
+    EXPECT_EQ(pipe->size(), static_cast<size_t>(kStages));
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(pipe->forward(x, 2), prefix_out.back(), 1e-5, 1e-6));
   }
 }

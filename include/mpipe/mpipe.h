@@ -1,9 +1,10 @@
-#include "mpipe/detail/header_only.h"  // Note [Header-only mode]
-
 #ifndef MPIPE_MPIPE_H_
 #define MPIPE_MPIPE_H_
 
-// Everything mpipe offers, in one include.
+// Everything mpipe offers, in one include. In header-only mode
+// (mpipe::mpipe_header_only) it also pulls the implementation, and a file
+// includes it before any other mpipe header (Note [Header-only mode] in
+// mpipe/detail/config.h).
 
 #include <mpipe/autocast.h>
 #include <mpipe/balance.h>
@@ -25,5 +26,12 @@
 #include <mpipe/timeline.h>
 #include <mpipe/training.h>
 #include <mpipe/version.h>
+
+#ifdef MPIPE_HEADER_ONLY
+#ifdef MPIPE_CUDA_KERNELS
+#error "MPIPE_CUDA_KERNELS needs the compiled library (mpipe::mpipe): nvcc builds its kernels"
+#endif
+#include "mpipe/detail/implementation.h"
+#endif
 
 #endif  // MPIPE_MPIPE_H_

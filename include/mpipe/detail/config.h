@@ -8,12 +8,13 @@
 // public headers never include them, so a program's own files parse only the
 // declarations. One switch, MPIPE_HEADER_ONLY (the target
 // mpipe::mpipe_header_only), compiles them into the program's files instead,
-// and the program links LibTorch alone: each public header with an
-// implementation starts with mpipe/detail/header_only.h, which in that mode
-// pulls every declaration (mpipe/mpipe.h) and then every -inl.h file
-// (mpipe/detail/implementation.h), once per file. The public headers use
-// include guards, not #pragma once, so that this first header's own text,
-// already read through mpipe.h, is skipped when the pull returns to it.
+// and the program links LibTorch alone. As with fmt, only the umbrella header
+// pulls the implementation: mpipe/mpipe.h ends with every -inl.h file
+// (mpipe/detail/implementation.h) in that mode, so a file includes it before
+// any other mpipe header; the others include only what they declare, and
+// each one with an implementation starts with a check
+// (mpipe/detail/header_only.h) that refuses, at compile time, a file that
+// did not.
 //
 // What that asks of the -inl.h files:
 // - every function defined outside a class is MPIPE_FUNC (inline in

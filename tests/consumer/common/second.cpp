@@ -1,4 +1,7 @@
-// The second file of the consumer program: other headers, the same runtime.
+// The second file of the consumer program: other headers, the same runtime
+// (header-only: mpipe.h first, which pulls the implementation).
+#include <mpipe/mpipe.h>
+
 #include <mpipe/distributed.h>
 #include <mpipe/snn.h>
 #include <mpipe/timeline.h>

@@ -27,7 +27,7 @@ struct GraphKey {
   int64_t items = 0;       // micro-batches (forward, train_step) or T
   int64_t rows = 0;        // rows per micro-batch (0: one)
   bool reduce = false;     // constant_forward, sequence_forward
-  int64_t chunk = 0;       // their time chunk (0: single steps)
+  int64_t time_chunk = 0;  // their steps per stage call (0: single steps)
   int schedule = -1;       // train_step: Schedule
   int reduction = -1;      // train_step: LossReduction
   std::vector<int64_t> input_sizes;
@@ -39,7 +39,7 @@ struct GraphKey {
   std::string autocast = AutocastState::current().str();  // the caller's autocast state
 
   std::string str() const {
-    return c10::str(method, "|", items, "|", rows, "|", reduce, "|", chunk, "|", schedule, "|", reduction, "|",
+    return c10::str(method, "|", items, "|", rows, "|", reduce, "|", time_chunk, "|", schedule, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
                     training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast);

@@ -106,7 +106,7 @@ MPIPE_FUNC int64_t method_code(const char* method) {
 }
 
 MPIPE_FUNC std::vector<int64_t> CallInfo::fields() const {
-  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, chunk,
+  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, time_chunk,
           programs};
 }
 
@@ -121,7 +121,7 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   c.schedule = f[5];
   c.virtual_stages = f[6];
   c.reduction = f[7];
-  c.chunk = f[8];
+  c.time_chunk = f[8];
   c.programs = f[9];
   return c;
 }

@@ -35,7 +35,7 @@ struct CallInfo {
   int64_t schedule = 0;
   int64_t virtual_stages = 1;
   int64_t reduction = 0;
-  int64_t chunk = 0;   // time chunk (constant_forward, sequence_forward, constant_train_step)
+  int64_t time_chunk = 0;  // steps per stage call (constant_forward, sequence_forward, constant_train_step)
   int64_t programs = 0;  // train_step with TrainStepOptions::programs: their fingerprint
 
   std::vector<int64_t> fields() const;

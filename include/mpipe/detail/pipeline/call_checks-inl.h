@@ -9,7 +9,7 @@
 
 #include "mpipe/simulate.h"
 #include "mpipe/detail/runtime/errors.h"
-#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/items.h"
 #include "mpipe/detail/runtime/streams.h"
 #include "mpipe/detail/runtime/time_chunks.h"
 
@@ -48,7 +48,7 @@ MPIPE_FUNC void check_runnable(const PipelineView& p, const char* method, const 
               x->sizes());
 }
 
-MPIPE_FUNC int64_t chunk_of(const ModelPipelineOptions& options, const char* method,
+MPIPE_FUNC int64_t time_chunk_of(const ModelPipelineOptions& options, const char* method,
                             std::optional<int64_t> arg) {
   if (arg) {
     TORCH_CHECK(*arg >= 1, "mpipe::ModelPipeline::", method, ": time_chunk (time steps per "

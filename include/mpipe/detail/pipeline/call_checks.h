@@ -28,7 +28,7 @@ void check_runnable(const PipelineView& p, const char* method, const at::Tensor*
                     bool time_major = false);
 /// The call's time chunk: 0 for single-step stages, kAutoChunk for the
 /// pipeline's choice, else k >= 1 (Note [Time chunks]).
-int64_t chunk_of(const ModelPipelineOptions& options, const char* method,
+int64_t time_chunk_of(const ModelPipelineOptions& options, const char* method,
                  std::optional<int64_t> arg);
 /// A time-step call's micro-batch split: the call's, else the options'
 /// count, else empty for the pipeline's choice (Note [Micro-batches over

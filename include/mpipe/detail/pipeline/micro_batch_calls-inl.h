@@ -12,7 +12,7 @@
 
 #include "mpipe/detail/distributed/replicas.h"
 #include "mpipe/detail/precision/autocast.h"
-#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/items.h"
 #include "mpipe/detail/runtime/streams.h"
 
 #include <ATen/Functions.h>
@@ -273,11 +273,11 @@ class TrainStepCall : public CallKind {
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, Split split) {
   const std::vector<Input> inputs{x};
-  return detail::one_output("forward", parts_->run(detail::ForwardCall(inputs, split, true)));
+  return detail::one_output("forward", parts_->call(detail::ForwardCall(inputs, split, true)));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs, Split split) {
-  return parts_->run(detail::ForwardCall(inputs, split, false));
+  return parts_->call(detail::ForwardCall(inputs, split, false));
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input,
@@ -286,7 +286,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input,
                                                     const TrainStepOptions& step) {
   const std::vector<Input> inputs{input};
   return detail::one_output("train_step",
-                            parts_->run(detail::TrainStepCall(inputs, target, loss_fn, step, true)));
+                            parts_->call(detail::TrainStepCall(inputs, target, loss_fn, step, true)));
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& inputs,
@@ -294,7 +294,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& in
                                                     const LossFunction& loss_fn,
                                                     const TrainStepOptions& step) {
   return detail::one_output("train_step",
-                            parts_->run(detail::TrainStepCall(inputs, target, loss_fn, step, false)));
+                            parts_->call(detail::TrainStepCall(inputs, target, loss_fn, step, false)));
 }
 
 }  // namespace mpipe

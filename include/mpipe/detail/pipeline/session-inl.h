@@ -11,7 +11,7 @@
 #include "mpipe/detail/pipeline/session.h"
 
 #include "mpipe/detail/runtime/programs.h"
-#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/items.h"
 
 #include "mpipe/simulate.h"
 #include "mpipe/state.h"
@@ -32,10 +32,10 @@ MPIPE_FUNC ModelPipelineImpl::Parts::Parts(ModelPipelineImpl& owner)
 // on every rank across processes), check makes the checks every rank makes
 // given that description, and plan builds the executor's CallSpec (the
 // items, the programs, where inputs come from and outputs go) and how to
-// hand results back. One session, Parts::run, runs any kind: the call's
+// hand results back. One session, Parts::call, runs any kind: the call's
 // life (lock, memory watch, rollback), across processes the first rank's
 // description told to every rank, else a CUDA graph's replay where the call
-// allows one, and the plan through the executor (run_plan: the timeline
+// allows one, and the plan through the executor (execute: the timeline
 // recorded around it). The kinds live with the data they move:
 // pipeline/micro_batch_calls-inl.h (forward, train_step) and
 // pipeline/time_step_calls-inl.h (constant_forward, sequence_forward,
@@ -50,7 +50,7 @@ MPIPE_FUNC GraphKey key_of(const CallKind& kind, const CallInfo& info, bool trai
   key.items = info.n_items;
   key.rows = info.rows;
   key.reduce = info.reduce != 0;
-  key.chunk = info.chunk;
+  key.time_chunk = info.time_chunk;
   key.schedule = static_cast<int>(info.schedule);
   key.reduction = static_cast<int>(info.reduction);
   const at::Tensor& x = kind.inputs[0].tensor;
@@ -83,7 +83,7 @@ MPIPE_FUNC void CallLife::end_watch(const char* method) {
 
 }  // namespace detail
 
-MPIPE_FUNC Tensors ModelPipelineImpl::Parts::run(const detail::CallKind& kind) {
+MPIPE_FUNC Tensors ModelPipelineImpl::Parts::call(const detail::CallKind& kind) {
   RECORD_USER_SCOPE(std::string("mpipe::") + kind.method);  // the call, for profilers
   const ModelPipelineOptions& options = self.options;
   const bool threaded = options.worker_threads();
@@ -111,7 +111,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::Parts::run(const detail::CallKind& kind) {
                 call, kind.method, [&] { return kind.describe(p); });
             kind.check(p, info, &call);
             const std::vector<Input> none;
-            return run_plan(kind.plan(p, info, call.first() ? kind.inputs : none,
+            return execute(kind.plan(p, info, call.first() ? kind.inputs : none,
                                       call.last() ? kind.target : at::Tensor(), &call),
                             threaded);
           });
@@ -123,7 +123,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::Parts::run(const detail::CallKind& kind) {
       const detail::GraphKey key = detail::key_of(kind, info, self.is_training());
       auto eager = [&](const at::Tensor& xg, const at::Tensor& yg, bool th) {
         return detail::one_output(kind.method,
-                                  run_plan(kind.plan(p, info, {Input(xg)}, yg, nullptr), th));
+                                  execute(kind.plan(p, info, {Input(xg)}, yg, nullptr), th));
       };
       const at::Tensor out =
           kind.step ? graphs.step(self, stages, key, x, kind.target, eager)
@@ -132,11 +132,11 @@ MPIPE_FUNC Tensors ModelPipelineImpl::Parts::run(const detail::CallKind& kind) {
                       });
       if (out.defined()) return {out};
     }
-    return run_plan(kind.plan(p, info, kind.inputs, kind.target, nullptr), threaded);
+    return execute(kind.plan(p, info, kind.inputs, kind.target, nullptr), threaded);
   });
 }
 
-MPIPE_FUNC Tensors ModelPipelineImpl::Parts::run_plan(detail::Plan plan, bool threaded) {
+MPIPE_FUNC Tensors ModelPipelineImpl::Parts::execute(detail::Plan plan, bool threaded) {
   detail::CallSpec& spec = plan.spec;
   {
     RECORD_USER_SCOPE("mpipe::execute");

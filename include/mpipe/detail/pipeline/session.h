@@ -8,7 +8,7 @@
 //                             methods, their description, checks, plan, results
 //   pipeline/time_step_calls-inl.h    constant_forward, sequence_forward,
 //                             constant_train_step: the same
-//   pipeline/session-inl.h    Parts::run: any call's prologue, agreement
+//   pipeline/session-inl.h    Parts::call: any call's prologue, agreement
 //                             across processes, graph or executor, timeline
 //   pipeline/model_pipeline-inl.h  append, devices, moves, loads, reports
 //   runtime/                  the executor of per-stage programs and its parts
@@ -149,12 +149,12 @@ struct ModelPipelineImpl::Parts {
   detail::PipelineView view() const { return {self, stages, executor, graphs, group}; }
   /// The session: runs `kind` in one process or across processes, eagerly
   /// or from a CUDA graph, under the call's life (guarded).
-  Tensors run(const detail::CallKind& kind);
+  Tensors call(const detail::CallKind& kind);
 
  private:
   /// `plan` through the executor, its tasks recorded when
   /// options.record_timeline; its results.
-  Tensors run_plan(detail::Plan plan, bool threaded);
+  Tensors execute(detail::Plan plan, bool threaded);
 };
 
 }  // namespace mpipe

@@ -15,7 +15,7 @@
 #include "mpipe/detail/distributed/replicas.h"
 #include "mpipe/detail/runtime/programs.h"
 #include "mpipe/detail/runtime/recompute.h"
-#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/items.h"
 #include "mpipe/detail/runtime/time_chunks.h"
 
 #include <c10/util/Exception.h>
@@ -86,7 +86,7 @@ namespace detail {
 
 /// Steps per stage call: `chunk` as given (0: single steps), or for
 /// kAutoChunk the pipeline's choice (Note [Time chunks]).
-MPIPE_FUNC int64_t resolve_chunk(const PipelineView& p, int64_t chunk, int64_t T) {
+MPIPE_FUNC int64_t resolve_time_chunk(const PipelineView& p, int64_t chunk, int64_t T) {
   if (chunk != kAutoChunk) return chunk;
   // Measured on one GPU: one chunk of all T steps is fastest, since stages
   // that share a device gain nothing from overlapping. Across devices, about
@@ -148,9 +148,9 @@ class TimeStepCall : public CallKind {
     CallInfo c;
     c.n_items = T;
     c.reduce = reduce;
-    c.chunk = resolve_chunk(p, chunk_of(p.options(), method, time_chunk_), T);
+    c.time_chunk = resolve_time_chunk(p, time_chunk_of(p.options(), method, time_chunk_), T);
     c.batch = batch;
-    c.rows = resolve_rows(p, method, split, batch, T, c.chunk, fresh);
+    c.rows = resolve_rows(p, method, split, batch, T, c.time_chunk, fresh);
     return c;
   }
 
@@ -160,7 +160,7 @@ class TimeStepCall : public CallKind {
                     RemoteCall* remote, const std::shared_ptr<TimeStepOutputs>& outs) {
     Plan plan;
     CallSpec& spec = plan.spec;
-    const TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
+    const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
     spec.method = method;
     spec.item_name = item_name(chunks);
     spec.n_items = chunks.count();
@@ -201,7 +201,7 @@ class ConstantCall : public TimeStepCall {
     check_grad_mode(method);
     // Checkpointing by micro-batch, never the last stage (Note [Checkpointed
     // time steps]); micro-batch 0 is checkpointed whenever any is.
-    const TimeChunks chunks{info.n_items, info.chunk, info.rows, info.batch};
+    const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
     if (p.training() && checkpointed(p.options().checkpoint(), 0, chunks.micro_batches())) {
       check_checkpointable(p, method, /*except_last=*/true);
     }
@@ -213,7 +213,7 @@ class ConstantCall : public TimeStepCall {
     const int64_t n_stages = p.n_stages();
     const char* name = method;
     auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0 || loss_fn_,
-                                                  TimeChunks{info.n_items, info.chunk, info.rows,
+                                                  TimeChunks{info.n_items, info.time_chunk, info.rows,
                                                              info.batch});
     Plan plan = items(name, info, p, remote, outs);
     CallSpec& spec = plan.spec;
@@ -226,7 +226,7 @@ class ConstantCall : public TimeStepCall {
       };
     } else if (chunks.multi()) {
       // Every chunk is the same view unless the last is shorter.
-      spec.same_input = info.n_items % info.chunk == 0 || spec.n_items == 1;
+      spec.same_input = info.n_items % info.time_chunk == 0 || spec.n_items == 1;
       spec.source = [kept, chunks](int64_t i) { return repeated_chunk(*kept, chunks, i); };
     } else {
       spec.same_input = true;
@@ -291,7 +291,7 @@ class SequenceCall : public TimeStepCall {
             const at::Tensor&, RemoteCall* remote) const override {
     const int64_t n_stages = p.n_stages();
     auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0,
-                                                  TimeChunks{info.n_items, info.chunk, info.rows,
+                                                  TimeChunks{info.n_items, info.time_chunk, info.rows,
                                                              info.batch});
     Plan plan = items(method, info, p, remote, outs);
     CallSpec& spec = plan.spec;
@@ -319,7 +319,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, i
   const std::vector<Input> inputs{x};
   detail::ConstantCall call("constant_forward", inputs, T, reduce, true, time_chunk, split);
   call.reset_first = options.reset_state_each_call();
-  return detail::one_output("constant_forward", parts_->run(call));
+  return detail::one_output("constant_forward", parts_->call(call));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>& inputs, int64_t T,
@@ -328,7 +328,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>&
                                                        std::optional<Split> split) {
   detail::ConstantCall call("constant_forward", inputs, T, reduce, false, time_chunk, split);
   call.reset_first = options.reset_state_each_call();
-  return parts_->run(call);
+  return parts_->call(call);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce,
@@ -338,7 +338,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_se
   detail::SequenceCall call("sequence_forward", inputs, true, time_chunk, split);
   call.reduce = reduce;
   call.reset_first = options.reset_state_each_call();
-  return detail::one_output("sequence_forward", parts_->run(call));
+  return detail::one_output("sequence_forward", parts_->call(call));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs,
@@ -348,7 +348,7 @@ MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>&
   detail::SequenceCall call("sequence_forward", inputs, false, time_chunk, split);
   call.reduce = reduce;
   call.reset_first = options.reset_state_each_call();
-  return parts_->run(call);
+  return parts_->call(call);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T,
@@ -360,7 +360,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x
   detail::ConstantCall call("constant_train_step", inputs, T, false, true, time_chunk, split,
                             &loss_fn, target);
   call.step = call.fresh_state = true;  // x keeps its autograd identity: with gradients, never graphed
-  return detail::one_output("constant_train_step", parts_->run(call));
+  return detail::one_output("constant_train_step", parts_->call(call));
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<Input>& inputs,
@@ -371,7 +371,7 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<I
   detail::ConstantCall call("constant_train_step", inputs, T, false, false, time_chunk, split,
                             &loss_fn, target);
   call.step = call.fresh_state = true;
-  return detail::one_output("constant_train_step", parts_->run(call));
+  return detail::one_output("constant_train_step", parts_->call(call));
 }
 
 }  // namespace mpipe

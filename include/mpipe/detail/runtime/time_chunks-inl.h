@@ -4,7 +4,7 @@
 
 // The sum of a time chunk's outputs over its steps (Note [Time chunks]).
 
-#include "mpipe/detail/runtime/scatter.h"
+#include "mpipe/detail/runtime/items.h"
 
 #include <ATen/TensorOperators.h>
 #include <torch/csrc/autograd/custom_function.h>

@@ -1,7 +1,8 @@
 #pragma once
 
-// Private: a call's inputs split into micro-batches or time steps, and the
-// last stage's outputs gathered back.
+// Private: a call's items, the micro-batches or time steps (or time chunks)
+// cut from its inputs, and the last stage's outputs of them joined back
+// (gather, TimeStepOutputs, one_output).
 
 #include "mpipe/detail/runtime/time_chunks.h"
 
