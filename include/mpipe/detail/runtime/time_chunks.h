@@ -1,8 +1,8 @@
 #pragma once
 
 // Private: a call's T time steps as items of k steps each (Note [Time chunks]
-// in calls-inl.h), for each of its micro-batches (Note [Micro-batches over
-// time] there).
+// in pipeline/time_step_calls-inl.h), for each of its micro-batches (Note
+// [Micro-batches over time] there).
 
 #include <c10/util/StringUtil.h>
 
