@@ -101,9 +101,9 @@ MPIPE_FUNC Tensors ModelPipelineImpl::Parts::call(const detail::CallKind& kind) 
     }
   };
   return life.guarded(kind.method, options.track_memory(), stages, [&]() -> Tensors {
-    FreshState fresh(self, kind.reset_first, kind.fresh_state);
     const detail::PipelineView p = view();
     if (p.distributed()) {
+      FreshState fresh(self, kind.reset_first, kind.fresh_state);
       return group.across(
           kind.method, options.process_group(), stages.devices, executor,
           [&](detail::RemoteCall& call) {
@@ -116,8 +116,10 @@ MPIPE_FUNC Tensors ModelPipelineImpl::Parts::call(const detail::CallKind& kind) 
                             threaded);
           });
     }
+    // A call refused for its arguments leaves the modules' state alone.
     const detail::CallInfo info = kind.describe(p);
     kind.check(p, info, nullptr);
+    FreshState fresh(self, kind.reset_first, kind.fresh_state);
     if (kind.graphable) {  // a CUDA graph's replay, where the graph policy allows one
       const at::Tensor& x = kind.inputs[0].tensor;
       const detail::GraphKey key = detail::key_of(kind, info, self.is_training());
