@@ -37,45 +37,57 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-/// Whether a TCP port on 127.0.0.1 can be bound now (0: any; the port bound
-/// is returned, -1 when none).
-int bindable(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+/// A socket bound to TCP port `port` on 127.0.0.1 (0: any) by this process
+/// alone, then marked SO_REUSEADDR; -1 when the port is taken. `bound` gets
+/// the port.
+int hold(int port, int& bound) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof(addr);
-  int bound = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    bound = ntohs(addr.sin_port);
+  const int on = 1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on)) != 0) {
+    close(fd);
+    return -1;
   }
-  close(fd);
-  return bound;
+  bound = ntohs(addr.sin_port);
+  return fd;
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (another process may
-/// take it before rank 0's store binds it; pass --master-port to choose).
-/// Note [Launch ports]: it is drawn at random from the 10,000 ports below
-/// the kernel's ephemeral range (ip_local_port_range), which connections
-/// never take on their own: several launches side by side (ctest runs the
-/// fault drills so) would otherwise race the ranks' own connections for it.
-int free_port() {
+/// A TCP port on 127.0.0.1 for rank 0's store, held by this process until
+/// it exits (`*held`: the socket). Note [Launch ports]: it is drawn at random
+/// from the 10,000 ports below the kernel's ephemeral range
+/// (ip_local_port_range), which connections never take on their own: several
+/// launches side by side (ctest runs the fault drills so) would otherwise race
+/// the ranks' own connections for it. Checking that a port is free and
+/// releasing it left a window in which another launch drew the same port
+/// (its rank 0 then failed: "Address already in use", about one whole-suite
+/// run in two). So the port stays bound, without listening: a socket that is
+/// bound first and marked SO_REUSEADDR after keeps every other bind off the
+/// port but the store's, which marks its own socket SO_REUSEADDR too (c10d's
+/// listening sockets do), and a port that is bound but not listening may be
+/// shared by such sockets.
+int free_port(int* held) {
   int low = 32768;
   if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
     if (std::fscanf(f, "%d", &low) != 1) low = 32768;
     std::fclose(f);
   }
+  int bound = -1;
   if (low > 11024) {
     std::srand(static_cast<unsigned>(getpid()) ^ static_cast<unsigned>(time(nullptr)));
     for (int tries = 0; tries < 100; ++tries) {
-      const int port = low - 1 - std::rand() % 10000;
-      if (bindable(port) == port) return port;
+      *held = hold(low - 1 - std::rand() % 10000, bound);
+      if (*held >= 0) return bound;
     }
   }
-  return bindable(0);
+  *held = hold(0, bound);
+  return *held >= 0 ? bound : -1;
 }
 
 struct Rank {
@@ -152,7 +164,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (port == 0) port = free_port();
+  int held = -1;  // the port's socket, open until this process exits
+  if (port == 0) port = free_port(&held);
   if (port <= 0) {
     std::fprintf(stderr, "mpipe-launch: no free port on 127.0.0.1: %s\n", std::strerror(errno));
     return 2;
