@@ -34,6 +34,8 @@
 namespace mpipe {
 
 namespace detail {
+struct PipelineParts;  // mpipe/detail/pipeline/session.h
+
 template <typename M, typename = void>
 struct has_tensor_forward : std::false_type {};
 template <typename M>
@@ -312,9 +314,9 @@ class ModelPipelineImpl : public torch::nn::Module {
 
   /// Everything else a pipeline holds, one part per concern
   /// (mpipe/detail/pipeline/session.h): the stages, their executor, the
-  /// call's life, the graph policy, the process group, the timeline.
-  struct Parts;
-  std::unique_ptr<Parts> parts_;
+  /// call lock and memory watch, the graph policy, the process group, the
+  /// timeline.
+  std::unique_ptr<detail::PipelineParts> parts_;
 };
 
 /// A holder for ModelPipelineImpl, as torch::nn's modules have.

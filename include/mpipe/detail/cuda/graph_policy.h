@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: which of a pipeline's calls run from CUDA graphs, and the graphs
-// it holds (one of ModelPipelineImpl::Parts, pipeline/session.h). The graphs
+// it holds (one of the PipelineParts, pipeline/session.h). The graphs
 // themselves are cuda/graphs.h's.
 
 #include "mpipe/model_pipeline.h"

@@ -3,7 +3,7 @@
 #include "mpipe/detail/config.h"
 
 // A pipeline's part in a process group: the layout exchanged at the first
-// call, and the description every rank agrees on.
+// call, and each call opened on every rank.
 
 #include "mpipe/detail/distributed/pipeline_group.h"
 
@@ -49,13 +49,14 @@ MPIPE_FUNC std::string PipelineGroup::connect(const char* method,
   return {};
 }
 
-MPIPE_FUNC CallInfo PipelineGroup::agree(RemoteCall& call, const char* method,
-                                         const std::function<CallInfo()>& make) {
-  if (!call.first()) return call.await_call(method);
-  CallInfo info = make();
-  info.method = method_code(method);
-  call.announce(info);
-  return info;
+MPIPE_FUNC std::unique_ptr<RemoteCall> PipelineGroup::open(
+    const char* method, const distributed::ProcessGroup& group,
+    const std::vector<c10::Device>& devices, Executor& executor, std::string& late) {
+  late = connect(method, group, static_cast<int64_t>(devices.size()), executor);
+  return std::make_unique<RemoteCall>(
+      group, layout_, pipeline_id_, call_seq_++, [&devices, &executor](int64_t stage) {
+        return devices[static_cast<size_t>(stage - executor.first_stage())];
+      });
 }
 
 }  // namespace detail

@@ -2,8 +2,8 @@
 
 #include "mpipe/detail/config.h"
 
-// What the call kinds share: the checks of their arguments and options, and
-// a training step's loss.
+// What the calls share: the checks of their arguments and options, a
+// training step's loss, and a plan's run.
 
 #include "mpipe/detail/pipeline/call_checks.h"
 
@@ -14,6 +14,7 @@
 #include "mpipe/detail/runtime/time_chunks.h"
 
 #include <ATen/Functions.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
@@ -206,6 +207,12 @@ MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
 MPIPE_FUNC Tensors for_caller(Tensors out) {
   for (const auto& t : out) record_on_current(t);
   return out;
+}
+
+MPIPE_FUNC Tensors run_plan(Call& call, Plan plan, bool threaded) {
+  call.execute(plan.spec, threaded);
+  RECORD_USER_SCOPE("mpipe::results");
+  return plan.results(plan.spec);
 }
 
 }  // namespace detail

@@ -1,8 +1,8 @@
 #pragma once
 
-// Private: what the call kinds share (pipeline/micro_batch_calls-inl.h,
+// Private: what the calls share (pipeline/micro_batch_calls-inl.h,
 // pipeline/time_step_calls-inl.h): the checks of their arguments and options,
-// and the loss of a training step.
+// the loss of a training step, and a plan's run.
 
 #include "mpipe/schedule.h"
 #include "mpipe/split.h"
@@ -64,6 +64,8 @@ void check_schedule(const TrainStepOptions& step, int64_t n_stages);
 
 /// Results handed to the caller: usable on its current streams.
 Tensors for_caller(Tensors out);
+/// `plan` run by `call`'s executor, and its results.
+Tensors run_plan(Call& call, Plan plan, bool threaded);
 
 }  // namespace detail
 }  // namespace mpipe

@@ -3,7 +3,7 @@
 #include "mpipe/detail/config.h"
 
 // The micro-batch calls, forward and train_step: their public methods, and
-// their kinds' description, checks, plan and results (Note [Plan, then run]
+// each call's description, checks, plan and results (Note [Plan, then run]
 // in session-inl.h). train_step runs per-stage programs of forwards and
 // backwards (Note [Training runtime] in runtime/backward_actions-inl.h).
 
@@ -37,264 +37,309 @@ MPIPE_FUNC CallInfo micro_batches(const char* method, const std::vector<Input>& 
 
 // forward --------------------------------------------------------------------
 
-class ForwardCall : public CallKind {
- public:
-  ForwardCall(const std::vector<Input>& inputs, Split split, bool one_tensor_)
-      : CallKind("forward", inputs), split_(split) {
-    one_tensor = graphable = one_tensor_;
-  }
-
-  CallInfo describe(const PipelineView& p) const override {
-    check_runnable(p, method, one_tensor ? &inputs[0].tensor : nullptr);
-    return micro_batches(method, inputs, split_);
-  }
-
-  Plan plan(const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
-            const at::Tensor&, RemoteCall* remote) const override {
-    const int64_t n_stages = p.n_stages();
-    Plan plan;
-    CallSpec& spec = plan.spec;
-    spec.method = method;
-    spec.item_name = "micro-batch";
-    spec.n_items = info.n_items;
-    spec.micro_batched = true;
-    spec.programs = schedules::forward_only(spec.n_items, n_stages);
-    auto kept = std::make_shared<const std::vector<Input>>(in);
-    spec.source = [kept, rows = info.rows, batch = info.batch](int64_t i) {
-      return micro_batch(*kept, i, rows, batch);
-    };
-    spec.caller_tensors = tensors_of(in);
-    spec.remote = remote;
-    auto outs = std::make_shared<std::vector<Tensors>>(static_cast<size_t>(spec.n_items));
-    spec.sink = [outs](int64_t i, Tensors o) { (*outs)[static_cast<size_t>(i)] = std::move(o); };
-    const int64_t lanes_option = p.options().lanes();
-    TORCH_CHECK(lanes_option >= 0, "mpipe::ModelPipeline::forward: ModelPipelineOptions::"
-                "lanes must be 0 (automatic) or positive, got ", lanes_option);
-    int64_t lanes = lanes_option > 0 ? lanes_option : (p.graphs.in_graph_run() ? 2 : 1);
-    // Under autocast a stage's micro-batches share the casts of its weights
-    // (Note [Autocast in the pipeline]), made on the stream of the first: other
-    // lanes would read them unordered.
-    if (AutocastState::current().any()) lanes = 1;
-    if (lanes > 1 && !remote) {  // Note [Lanes]: stages that keep no state
-      spec.lanes = lanes;
-      for (size_t j = 0; j < p.stages.size(); ++j) {
-        spec.lane_stages.push_back(p.stages.stateful[j].empty() &&
-                                   p.stages.modules->ptr(j)->buffers().empty());
-      }
+/// forward's plan: micro-batches through forward-only programs.
+MPIPE_FUNC Plan forward_plan(const PipelineView& p, const CallInfo& info,
+                             const std::vector<Input>& in, RemoteCall* remote) {
+  const int64_t n_stages = p.n_stages();
+  Plan plan;
+  CallSpec& spec = plan.spec;
+  spec.method = "forward";
+  spec.item_name = "micro-batch";
+  spec.n_items = info.n_items;
+  spec.micro_batched = true;
+  spec.programs = schedules::forward_only(spec.n_items, n_stages);
+  auto kept = std::make_shared<const std::vector<Input>>(in);
+  spec.source = [kept, rows = info.rows, batch = info.batch](int64_t i) {
+    return micro_batch(*kept, i, rows, batch);
+  };
+  spec.caller_tensors = tensors_of(in);
+  spec.remote = remote;
+  auto outs = std::make_shared<std::vector<Tensors>>(static_cast<size_t>(spec.n_items));
+  spec.sink = [outs](int64_t i, Tensors o) { (*outs)[static_cast<size_t>(i)] = std::move(o); };
+  const int64_t lanes_option = p.options().lanes();
+  TORCH_CHECK(lanes_option >= 0, "mpipe::ModelPipeline::forward: ModelPipelineOptions::"
+              "lanes must be 0 (automatic) or positive, got ", lanes_option);
+  int64_t lanes = lanes_option > 0 ? lanes_option : (p.graphs.in_graph_run() ? 2 : 1);
+  // Under autocast a stage's micro-batches share the casts of its weights
+  // (Note [Autocast in the pipeline]), made on the stream of the first: other
+  // lanes would read them unordered.
+  if (AutocastState::current().any()) lanes = 1;
+  if (lanes > 1 && !remote) {  // Note [Lanes]: stages that keep no state
+    spec.lanes = lanes;
+    for (size_t j = 0; j < p.stages.size(); ++j) {
+      spec.lane_stages.push_back(p.stages.stateful[j].empty() &&
+                                 p.stages.modules->ptr(j)->buffers().empty());
     }
-    plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
-      if (remote && !remote->last()) return {};
-      return for_caller(gather("forward", "micro-batch", n_stages - 1, *outs, false, true));
-    };
-    return plan;
   }
+  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+    if (remote && !remote->last()) return {};
+    return for_caller(gather("forward", "micro-batch", n_stages - 1, *outs, false, true));
+  };
+  return plan;
+}
 
- private:
-  Split split_;
-};
+MPIPE_FUNC Tensors forward(PipelineParts& parts, const std::vector<Input>& inputs, Split split,
+                           bool one_tensor) {
+  Call call(parts, "forward");
+  try {
+    const PipelineView& p = call.view();
+    std::optional<CallInfo> mine;
+    if (call.describes()) {
+      check_runnable(p, "forward", one_tensor ? &inputs[0].tensor : nullptr);
+      mine = micro_batches("forward", inputs, split);
+    }
+    const CallInfo info = call.agree(mine);
+    at::Tensor replayed;
+    if (one_tensor) {
+      replayed = call.replay(inputs[0].tensor, {}, info, /*step=*/false,
+                             [&](const at::Tensor& x, const at::Tensor&, bool threaded) {
+                               return one_output("forward", run_plan(
+                                   call, forward_plan(p, info, {Input(x)}, nullptr), threaded));
+                             });
+    }
+    const std::vector<Input> none;
+    Tensors out = replayed.defined()
+                      ? Tensors{replayed}
+                      : run_plan(call,
+                                 forward_plan(p, info, call.first() ? inputs : none, call.remote()),
+                                 p.options().worker_threads());
+    call.finish();
+    return out;
+  } catch (...) {
+    call.fail();
+  }
+}
 
 // train_step -------------------------------------------------------------------
 
-class TrainStepCall : public CallKind {
- public:
-  TrainStepCall(const std::vector<Input>& inputs, const at::Tensor& target,
-                const LossFunction& loss_fn, const TrainStepOptions& step, bool one_tensor_)
-      : CallKind("train_step", inputs, target.defined() ? target.detach() : target),
-        loss_fn_(loss_fn),
-        step_(step) {
-    this->step = true;
-    one_tensor = one_tensor_;
-    // A scaled step runs eagerly (the scale changes as training goes), and so
-    // does one whose input needs gradients or that runs given programs.
-    graphable = one_tensor_ && !inputs[0].tensor.requires_grad() && step.loss_scale() == 1.0 &&
-                step.programs().empty();
-  }
-
-  CallInfo describe(const PipelineView& p) const override {
-    check_runnable(p, method, one_tensor ? &inputs[0].tensor : nullptr);
-    const TrainStepOptions& step = step_;
-    CallInfo c = micro_batches(method, inputs, step.split());
-    const int64_t n_stages = p.n_stages();
-    const bool given = !step.programs().empty();
-    if (!given) check_schedule(step, n_stages);
-    TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
-                "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
-                step.loss_scale());
-    c.virtual_stages = step.virtual_stages();
-    c.reduction = static_cast<int64_t>(step.reduction());
-    if (given) {
-      check_programs(step.programs(), n_stages, c.n_items);
-      c.schedule = kGivenPrograms;
-      c.programs = fingerprint(step.programs());
-      return c;
-    }
-    std::vector<int64_t> labels = p.stages.device_labels();
-    if (p.distributed()) {  // every process its own device, apart from this rank's stages
-      const int64_t first = p.executor.first_stage();
-      const auto mine = labels;
-      labels.clear();
-      for (int64_t s = 0; s < n_stages; ++s) {
-        const int64_t local = s - first;
-        labels.push_back(local >= 0 && local < static_cast<int64_t>(mine.size())
-                             ? first + mine[static_cast<size_t>(local)]
-                             : s);
-      }
-    }
-    c.schedule = static_cast<int64_t>(
-        step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
-                                          : step.schedule());
+/// train_step's description: its micro-batches and schedule (checked).
+MPIPE_FUNC CallInfo train_step_info(const PipelineView& p, const std::vector<Input>& inputs,
+                                    const TrainStepOptions& step) {
+  CallInfo c = micro_batches("train_step", inputs, step.split());
+  const int64_t n_stages = p.n_stages();
+  const bool given = !step.programs().empty();
+  if (!given) check_schedule(step, n_stages);
+  TORCH_CHECK(std::isfinite(step.loss_scale()) && step.loss_scale() > 0,
+              "mpipe::ModelPipeline::train_step: loss_scale must be positive and finite, got ",
+              step.loss_scale());
+  c.virtual_stages = step.virtual_stages();
+  c.reduction = static_cast<int64_t>(step.reduction());
+  if (given) {
+    check_programs(step.programs(), n_stages, c.n_items);
+    c.schedule = kGivenPrograms;
+    c.programs = fingerprint(step.programs());
     return c;
   }
-
-  void check(const PipelineView& p, const CallInfo& info, RemoteCall* remote) const override {
-    check_grad_mode(method);
-    if (p.training() && p.options().checkpoint() != Checkpoint::Never) {
-      check_checkpointable(p, method);
-    }
-    if (!remote || remote->last()) {
-      TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == info.batch,
-                  "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
-                  info.batch, ") along dim 0, got ",
-                  target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
-      check_loss_fn(method, loss_fn_);
-    }
-    if (remote && !remote->first()) {  // the first rank's programs, or none, on every rank
-      const auto& programs = step_.programs();
-      const bool given = info.schedule == kGivenPrograms;
-      TORCH_CHECK(given == !programs.empty() && (!given || fingerprint(programs) == info.programs),
-                  "mpipe::ModelPipeline::train_step: rank ", remote->group().rank(), "'s "
-                  "TrainStepOptions::programs differ from the first rank's (",
-                  given ? "given there" : "none there", "); every rank passes the same");
-      if (given) check_programs(programs, p.n_stages(), info.n_items);
+  std::vector<int64_t> labels = p.stages.device_labels();
+  if (p.distributed()) {  // every process its own device, apart from this rank's stages
+    const int64_t first = p.executor.first_stage();
+    const auto mine = labels;
+    labels.clear();
+    for (int64_t s = 0; s < n_stages; ++s) {
+      const int64_t local = s - first;
+      labels.push_back(local >= 0 && local < static_cast<int64_t>(mine.size())
+                           ? first + mine[static_cast<size_t>(local)]
+                           : s);
     }
   }
+  c.schedule = static_cast<int64_t>(
+      step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
+                                        : step.schedule());
+  return c;
+}
 
-  Plan plan(const PipelineView& p, const CallInfo& info, const std::vector<Input>& caller_inputs,
-            const at::Tensor& y, RemoteCall* remote) const override {
-    const int64_t rows = info.rows, batch = info.batch;
-    const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
-    const bool first = !remote || remote->first();
-    // The caller's inputs (their gradients are accumulated) and their detached
-    // copies, which the stages take.
-    auto caller = std::make_shared<const std::vector<Input>>(caller_inputs);
-    auto in = std::make_shared<std::vector<Input>>();
-    std::vector<bool> requires_grad;
-    for (const auto& x : caller_inputs) {
-      Input d(x.tensor.detach());
-      d.batched = x.batched;
-      in->push_back(d);
-      requires_grad.push_back(first && x.tensor.requires_grad());
-    }
-    Plan plan;
-    CallSpec& spec = plan.spec;
-    spec.method = method;
-    spec.item_name = "micro-batch";
-    spec.training = true;
-    spec.micro_batched = true;
-    spec.accumulate_cast_grads = p.options().accumulate_cast_grads() && !p.graphs.in_graphed_step();
-    spec.remote = remote;
-    spec.n_items = info.n_items;
-    if (info.schedule == kGivenPrograms) {
-      spec.schedule = "given programs";
-      spec.programs = step_.programs();
-    } else {
-      const auto schedule = static_cast<Schedule>(info.schedule);
-      spec.schedule = to_string(schedule);
-      spec.programs = programs_for(schedule, spec.n_items, p.n_stages(), info.virtual_stages);
-    }
-    spec.source = [in, rows, batch](int64_t i) { return micro_batch(*in, i, rows, batch); };
-    spec.target = [y, rows, batch](int64_t i) {
-      return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
-    };
-    spec.loss = [loss_fn = loss_fn_, mean, rows, batch](int64_t i, const Tensors& out,
-                                                        const Tensors& tgt) {
-      at::Tensor loss = scalar_loss(loss_fn, out, tgt[0]);
-      if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
-      return loss;
-    };
-    spec.loss_scale = step_.loss_scale();  // backward from the scaled loss; the step returns the loss
-    spec.checkpoint = p.training() ? p.options().checkpoint() : Checkpoint::Never;
-    spec.stateful = &p.stages.stateful;
-    spec.input_requires_grad = requires_grad;
-    spec.caller_tensors = tensors_of(*in);
-    if (y.defined()) spec.caller_tensors.push_back(y);
-    // Data parallelism: what this step adds to the gradients, before it runs.
-    auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
-    const Stages* stages = &p.stages;
-    plan.results = [stages, caller, in, requires_grad, rows, batch, mean,
-                    replicas](const CallSpec& done) -> Tensors {
-      // The executor's join made the stages' work the caller's: parameter
-      // gradients and the loss are used on the caller's streams now.
-      for (size_t j = 0; j < stages->size(); ++j) {
-        for (const auto& param : stages->modules->ptr(j)->parameters()) {
-          record_on_current(param.grad());
-        }
-      }
-      at::Tensor loss = done.loss_sum;
-      if (loss.defined()) record_on_current(loss);
-      std::vector<at::Tensor> roots, grads;  // the inputs' gradients, through the caller's graph
-      for (size_t k = 0; k < caller->size(); ++k) {
-        if (!requires_grad[k]) continue;
-        const Input& x = (*caller)[k];
-        std::vector<at::Tensor> parts;
-        at::Tensor sum;
-        for (int64_t i = 0; i < done.n_items; ++i) {
-          at::Tensor g = done.input_grads[static_cast<size_t>(i)][k];
-          if (!g.defined()) g = at::zeros_like(micro_batch(*in, i, rows, batch)[k]);
-          record_on_current(g);
-          g = g.to(x.tensor.device());
-          if (x.batched) {
-            parts.push_back(g);
-          } else {
-            sum = sum.defined() ? sum + g : g;
-          }
-        }
-        roots.push_back(x.tensor);
-        grads.push_back(x.batched ? at::cat(parts, 0) : sum);
-      }
-      if (!roots.empty()) {
-        NoAutocast no_autocast;  // the caller's graph: the engine's threads
-        torch::autograd::backward(roots, grads);
-      }
-      replicas->reduce(mean, loss);
-      return loss.defined() ? Tensors{loss} : Tensors{};
-    };
-    return plan;
+/// The checks every rank makes of a train_step, given its description.
+MPIPE_FUNC void check_train_step(const PipelineView& p, const CallInfo& info,
+                                 const at::Tensor& target, const LossFunction& loss_fn,
+                                 const TrainStepOptions& step, RemoteCall* remote) {
+  check_grad_mode("train_step");
+  if (p.training() && p.options().checkpoint() != Checkpoint::Never) {
+    check_checkpointable(p, "train_step");
   }
+  if (!remote || remote->last()) {
+    TORCH_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == info.batch,
+                "mpipe::ModelPipeline::train_step: the target needs the input's batch size (",
+                info.batch, ") along dim 0, got ",
+                target.defined() ? "shape " + c10::str(target.sizes()) : std::string("undefined"));
+    check_loss_fn("train_step", loss_fn);
+  }
+  if (remote && !remote->first()) {  // the first rank's programs, or none, on every rank
+    const auto& programs = step.programs();
+    const bool given = info.schedule == kGivenPrograms;
+    TORCH_CHECK(given == !programs.empty() && (!given || fingerprint(programs) == info.programs),
+                "mpipe::ModelPipeline::train_step: rank ", remote->group().rank(), "'s "
+                "TrainStepOptions::programs differ from the first rank's (",
+                given ? "given there" : "none there", "); every rank passes the same");
+    if (given) check_programs(programs, p.n_stages(), info.n_items);
+  }
+}
 
- private:
-  const LossFunction& loss_fn_;
-  const TrainStepOptions& step_;
-};
+/// train_step's plan: per-stage programs of forwards and backwards over the
+/// micro-batches; the results send the inputs' gradients through the
+/// caller's graph.
+MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
+                                const std::vector<Input>& caller_inputs, const at::Tensor& y,
+                                const LossFunction& loss_fn, const TrainStepOptions& step,
+                                RemoteCall* remote) {
+  const int64_t rows = info.rows, batch = info.batch;
+  const bool mean = info.reduction == static_cast<int64_t>(LossReduction::Mean);
+  const bool first = !remote || remote->first();
+  // The caller's inputs (their gradients are accumulated) and their detached
+  // copies, which the stages take.
+  auto caller = std::make_shared<const std::vector<Input>>(caller_inputs);
+  auto in = std::make_shared<std::vector<Input>>();
+  std::vector<bool> requires_grad;
+  for (const auto& x : caller_inputs) {
+    Input d(x.tensor.detach());
+    d.batched = x.batched;
+    in->push_back(d);
+    requires_grad.push_back(first && x.tensor.requires_grad());
+  }
+  Plan plan;
+  CallSpec& spec = plan.spec;
+  spec.method = "train_step";
+  spec.item_name = "micro-batch";
+  spec.training = true;
+  spec.micro_batched = true;
+  spec.accumulate_cast_grads = p.options().accumulate_cast_grads() && !p.graphs.in_graphed_step();
+  spec.remote = remote;
+  spec.n_items = info.n_items;
+  if (info.schedule == kGivenPrograms) {
+    spec.schedule = "given programs";
+    spec.programs = step.programs();
+  } else {
+    const auto schedule = static_cast<Schedule>(info.schedule);
+    spec.schedule = to_string(schedule);
+    spec.programs = programs_for(schedule, spec.n_items, p.n_stages(), info.virtual_stages);
+  }
+  spec.source = [in, rows, batch](int64_t i) { return micro_batch(*in, i, rows, batch); };
+  spec.target = [y, rows, batch](int64_t i) {
+    return Tensors{y.narrow(0, i * rows, std::min(rows, batch - i * rows))};
+  };
+  spec.loss = [loss_fn, mean, rows, batch](int64_t i, const Tensors& out,
+                                                      const Tensors& tgt) {
+    at::Tensor loss = scalar_loss(loss_fn, out, tgt[0]);
+    if (mean) loss = loss * (static_cast<double>(std::min(rows, batch - i * rows)) / batch);
+    return loss;
+  };
+  spec.loss_scale = step.loss_scale();  // backward from the scaled loss; the step returns the loss
+  spec.checkpoint = p.training() ? p.options().checkpoint() : Checkpoint::Never;
+  spec.stateful = &p.stages.stateful;
+  spec.input_requires_grad = requires_grad;
+  spec.caller_tensors = tensors_of(*in);
+  if (y.defined()) spec.caller_tensors.push_back(y);
+  // Data parallelism: what this step adds to the gradients, before it runs.
+  auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
+  const Stages* stages = &p.stages;
+  plan.results = [stages, caller, in, requires_grad, rows, batch, mean,
+                  replicas](const CallSpec& done) -> Tensors {
+    // The executor's join made the stages' work the caller's: parameter
+    // gradients and the loss are used on the caller's streams now.
+    for (size_t j = 0; j < stages->size(); ++j) {
+      for (const auto& param : stages->modules->ptr(j)->parameters()) {
+        record_on_current(param.grad());
+      }
+    }
+    at::Tensor loss = done.loss_sum;
+    if (loss.defined()) record_on_current(loss);
+    std::vector<at::Tensor> roots, grads;  // the inputs' gradients, through the caller's graph
+    for (size_t k = 0; k < caller->size(); ++k) {
+      if (!requires_grad[k]) continue;
+      const Input& x = (*caller)[k];
+      std::vector<at::Tensor> parts;
+      at::Tensor sum;
+      for (int64_t i = 0; i < done.n_items; ++i) {
+        at::Tensor g = done.input_grads[static_cast<size_t>(i)][k];
+        if (!g.defined()) g = at::zeros_like(micro_batch(*in, i, rows, batch)[k]);
+        record_on_current(g);
+        g = g.to(x.tensor.device());
+        if (x.batched) {
+          parts.push_back(g);
+        } else {
+          sum = sum.defined() ? sum + g : g;
+        }
+      }
+      roots.push_back(x.tensor);
+      grads.push_back(x.batched ? at::cat(parts, 0) : sum);
+    }
+    if (!roots.empty()) {
+      NoAutocast no_autocast;  // the caller's graph: the engine's threads
+      torch::autograd::backward(roots, grads);
+    }
+    replicas->reduce(mean, loss);
+    return loss.defined() ? Tensors{loss} : Tensors{};
+  };
+  return plan;
+}
+
+MPIPE_FUNC at::Tensor train_step(PipelineParts& parts, const std::vector<Input>& inputs,
+                                 const at::Tensor& target_in, const LossFunction& loss_fn,
+                                 const TrainStepOptions& step, bool one_tensor) {
+  const at::Tensor target = target_in.defined() ? target_in.detach() : target_in;
+  Call call(parts, "train_step");
+  try {
+    const PipelineView& p = call.view();
+    std::optional<CallInfo> mine;
+    if (call.describes()) {
+      check_runnable(p, "train_step", one_tensor ? &inputs[0].tensor : nullptr);
+      mine = train_step_info(p, inputs, step);
+    }
+    const CallInfo info = call.agree(mine);
+    check_train_step(p, info, target, loss_fn, step, call.remote());
+    at::Tensor loss;
+    // A scaled step runs eagerly (the scale changes as training goes), and so
+    // does one whose input needs gradients or that runs given programs.
+    if (one_tensor && !inputs[0].tensor.requires_grad() && step.loss_scale() == 1.0 &&
+        step.programs().empty()) {
+      loss = call.replay(inputs[0].tensor, target, info, /*step=*/true,
+                         [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                           return one_output("train_step",
+                                             run_plan(call,
+                                                      train_step_plan(p, info, {Input(x)}, y,
+                                                                      loss_fn, step, nullptr),
+                                                      threaded));
+                         });
+    }
+    if (!loss.defined()) {
+      const std::vector<Input> none;
+      loss = one_output("train_step",
+                        run_plan(call,
+                                 train_step_plan(p, info, call.first() ? inputs : none,
+                                                 call.last() ? target : at::Tensor(), loss_fn,
+                                                 step, call.remote()),
+                                 p.options().worker_threads()));
+    }
+    call.finish();
+    return loss;
+  } catch (...) {
+    call.fail();
+  }
+}
 
 }  // namespace detail
 
 // The public methods ---------------------------------------------------------
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::forward(const at::Tensor& x, Split split) {
-  const std::vector<Input> inputs{x};
-  return detail::one_output("forward", parts_->call(detail::ForwardCall(inputs, split, true)));
+  return detail::one_output("forward", detail::forward(*parts_, {x}, split, true));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::forward(const std::vector<Input>& inputs, Split split) {
-  return parts_->call(detail::ForwardCall(inputs, split, false));
+  return detail::forward(*parts_, inputs, split, false);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const at::Tensor& input,
                                                     const at::Tensor& target,
                                                     const LossFunction& loss_fn,
                                                     const TrainStepOptions& step) {
-  const std::vector<Input> inputs{input};
-  return detail::one_output("train_step",
-                            parts_->call(detail::TrainStepCall(inputs, target, loss_fn, step, true)));
+  return detail::train_step(*parts_, {input}, target, loss_fn, step, true);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::train_step(const std::vector<Input>& inputs,
                                                     const at::Tensor& target,
                                                     const LossFunction& loss_fn,
                                                     const TrainStepOptions& step) {
-  return detail::one_output("train_step",
-                            parts_->call(detail::TrainStepCall(inputs, target, loss_fn, step, false)));
+  return detail::train_step(*parts_, inputs, target, loss_fn, step, false);
 }
 
 }  // namespace mpipe

@@ -28,7 +28,7 @@ MPIPE_FUNC void check_input_count(size_t got, size_t wanted) {
 }  // namespace detail
 
 MPIPE_FUNC ModelPipelineImpl::ModelPipelineImpl(ModelPipelineOptions options_)
-    : options(options_), parts_(std::make_unique<Parts>(*this)) {}
+    : options(options_), parts_(std::make_unique<detail::PipelineParts>(*this)) {}
 
 MPIPE_FUNC ModelPipelineImpl::~ModelPipelineImpl() = default;
 
@@ -56,7 +56,7 @@ MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append(torch::nn::AnyModule mod
 MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append_stage(
     std::shared_ptr<torch::nn::Module> module, detail::StageForward forward,
     const DeviceArg& device) {
-  Parts& s = *parts_;
+  detail::PipelineParts& s = *parts_;
   std::lock_guard<std::mutex> lock(s.life.mutex());
   const size_t index = size();
   TORCH_CHECK(module != nullptr, "mpipe::ModelPipeline::append: stage ", index,
@@ -102,7 +102,7 @@ MPIPE_FUNC Timeline ModelPipelineImpl::timeline() {
 }
 
 MPIPE_FUNC MemoryReport ModelPipelineImpl::memory_report() const {
-  const Parts& s = *parts_;
+  const detail::PipelineParts& s = *parts_;
   std::lock_guard<std::mutex> lock(s.life.mutex());
   MemoryReport report;
   report.last_call = s.life.counters().empty() ? std::string() : s.life.watched_call();
@@ -192,7 +192,7 @@ MPIPE_FUNC void ModelPipelineImpl::to(torch::Device device, bool /*non_blocking*
 }
 
 MPIPE_FUNC void ModelPipelineImpl::load(torch::serialize::InputArchive& archive) {
-  Parts& s = *parts_;
+  detail::PipelineParts& s = *parts_;
   std::lock_guard<std::mutex> lock(s.life.mutex());
   torch::nn::Module::load(archive);
   for (size_t i = 0; i < size(); ++i) s.stages.modules->ptr(i)->to(s.stages.devices[i]);

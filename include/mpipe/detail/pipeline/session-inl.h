@@ -2,16 +2,15 @@
 
 #include "mpipe/detail/config.h"
 
-// The session: what every call of a pipeline goes through around the
-// executor. The call's life (lock, memory watch, rollback), the agreement
-// across processes, a CUDA graph's replay where the graph policy allows one
-// (cuda/graph_policy-inl.h), else the plan through the executor with the
-// timeline recorded.
+// The session: what every call of a pipeline goes through, as the scope of
+// one call (Call): its life (lock, memory watch, rollback), the agreement
+// across processes, and its plans through the executor with the timeline
+// recorded.
 
 #include "mpipe/detail/pipeline/session.h"
 
 #include "mpipe/detail/runtime/programs.h"
-#include "mpipe/detail/runtime/items.h"
+#include "mpipe/detail/runtime/errors.h"
 
 #include "mpipe/simulate.h"
 #include "mpipe/state.h"
@@ -21,48 +20,139 @@
 
 namespace mpipe {
 
-MPIPE_FUNC ModelPipelineImpl::Parts::Parts(ModelPipelineImpl& owner)
-    : self(owner), stages(owner.register_module("stages", torch::nn::ModuleList())) {}
-
 // Note [Plan, then run]
-// ~~~~~~~~~~~~~~~~~~~~~
-// Every call is a kind (detail::CallKind) with its arguments, and three
-// steps that read the pipeline through a PipelineView and change nothing:
-// describe checks the arguments and describes the call (a CallInfo, the same
-// on every rank across processes), check makes the checks every rank makes
-// given that description, and plan builds the executor's CallSpec (the
-// items, the programs, where inputs come from and outputs go) and how to
-// hand results back. One session, Parts::call, runs any kind: the call's
-// life (lock, memory watch, rollback), across processes the first rank's
-// description told to every rank, else a CUDA graph's replay where the call
-// allows one, and the plan through the executor (execute: the timeline
-// recorded around it). The kinds live with the data they move:
-// pipeline/micro_batch_calls-inl.h (forward, train_step) and
-// pipeline/time_step_calls-inl.h (constant_forward, sequence_forward,
-// constant_train_step), each beside its public method.
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A call's own file drives it from start to end, in one pass: the public
+// method opens a Call (the call lock, the memory watch, the rollback of
+// stateful modules on failure; across processes, the call on every rank),
+// describes the call from its arguments (a CallInfo; across processes the
+// first rank describes it and every rank agrees on that description), checks
+// it, builds its plan (the executor's CallSpec: the items, the programs,
+// where inputs come from and outputs go, and how to hand results back),
+// executes it and finishes the call. Its describe, check and plan steps read
+// the pipeline through a PipelineView and change nothing. The calls live
+// with the data they move: pipeline/micro_batch_calls-inl.h (forward,
+// train_step) and pipeline/time_step_calls-inl.h (constant_forward,
+// sequence_forward, constant_train_step). Which calls a CUDA graph replays is
+// the graph policy's (cuda/graph_policy-inl.h), which runs the call's eager
+// form when it captures.
 
 namespace detail {
 
+MPIPE_FUNC PipelineParts::PipelineParts(ModelPipelineImpl& owner)
+    : self(owner), stages(owner.register_module("stages", torch::nn::ModuleList())) {}
+
 /// The key of a graphed call: what its capture depends on.
-MPIPE_FUNC GraphKey key_of(const CallKind& kind, const CallInfo& info, bool training) {
+MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::Tensor& x,
+                              const at::Tensor& target, bool training) {
   GraphKey key;
-  key.method = kind.method;
+  key.method = method;
   key.items = info.n_items;
   key.rows = info.rows;
   key.reduce = info.reduce != 0;
   key.time_chunk = info.time_chunk;
   key.schedule = static_cast<int>(info.schedule);
   key.reduction = static_cast<int>(info.reduction);
-  const at::Tensor& x = kind.inputs[0].tensor;
   key.input_sizes = x.sizes().vec();
   key.input_dtype = x.scalar_type();
-  if (kind.target.defined()) {
-    key.target_sizes = kind.target.sizes().vec();
-    key.target_dtype = kind.target.scalar_type();
+  if (target.defined()) {
+    key.target_sizes = target.sizes().vec();
+    key.target_dtype = target.scalar_type();
   }
   key.training = training;
   key.inference = c10::InferenceMode::is_enabled();
   return key;
+}
+
+/// The memory watch's start: `method` when options.track_memory, else null.
+MPIPE_FUNC const char* begin_watch(PipelineParts& parts, const char* method) {
+  if (!parts.self.options.track_memory()) return nullptr;
+  parts.life.begin_watch(parts.stages);
+  return method;
+}
+
+MPIPE_FUNC Call::Call(PipelineParts& parts, const char* method)
+    : parts_(parts),
+      method_(method),
+      lock_(parts.life.mutex()),
+      watch_{parts, begin_watch(parts, method)},
+      rollback_(parts.stages.stateful),  // Note [State snapshots]
+      view_(parts.view()) {
+  start_with_fresh_casts();  // Note [Autocast in the pipeline]
+  if (view_.distributed()) {
+    remote_ = parts.group.open(method, parts.self.options.process_group(), parts.stages.devices,
+                               parts.executor, late_);
+  }
+}
+
+MPIPE_FUNC Call::~Call() {
+  remote_.reset();
+  // State does not outlive a constant_train_step, whatever happens; the
+  // rollback, which runs after, puts a failed call's state back as it was.
+  if (reset_after_) reset_states(parts_.self);
+}
+
+MPIPE_FUNC bool Call::describes() const {
+  TORCH_CHECK(late_.empty(), late_);
+  return first();
+}
+
+MPIPE_FUNC at::Tensor Call::replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info,
+                                   bool step, const GraphPolicy::EagerStep& eager) {
+  if (remote_) return {};
+  const GraphKey key = key_of(method_, info, x, y, parts_.self.is_training());
+  if (step) return parts_.graphs.step(parts_.self, parts_.stages, key, x, y, eager);
+  return parts_.graphs.call(parts_.self, parts_.stages, key, x,
+                            [&](const at::Tensor& xg, bool threaded) {
+                              return eager(xg, at::Tensor(), threaded);
+                            });
+}
+
+MPIPE_FUNC CallInfo Call::agree(const std::optional<CallInfo>& mine) {
+  if (!describes()) return remote_->await_call(method_);
+  CallInfo info = *mine;
+  if (remote_) {
+    info.method = method_code(method_);
+    remote_->announce(info);
+  }
+  return info;
+}
+
+MPIPE_FUNC void Call::reset_states_now(bool after) {
+  reset_states(parts_.self);
+  reset_after_ = after;
+}
+
+MPIPE_FUNC void Call::execute(CallSpec& spec, bool threaded) {
+  RECORD_USER_SCOPE("mpipe::execute");
+  std::shared_ptr<Recorder> recorder;
+  if (parts_.self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
+    // The schedule's idle fraction with unit costs, training or not (forward
+    // programs give the fill-drain (n - 1) / (m + n - 1)).
+    recorder = std::make_shared<Recorder>(spec.method, spec.item_name, spec.n_items,
+                                          parts_.stages.devices, schedules::bubble(spec.programs));
+    if (spec.training) recorder->describe_schedule(spec.schedule, stage_ranks(spec.programs));
+  }
+  spec.recorder = recorder.get();
+  parts_.executor.run(spec, parts_.stages.forwards, threaded);
+  if (recorder) parts_.timeline.pending = recorder;
+}
+
+MPIPE_FUNC void Call::finish() {
+  finished_ = true;
+  if (remote_) remote_->finish("", method_);  // throws another rank's failure
+}
+
+MPIPE_FUNC void Call::fail() {
+  const std::exception_ptr error = std::current_exception();
+  if (!remote_ || finished_) std::rethrow_exception(error);
+  finished_ = true;
+  const std::string what = message_of(error);
+  const std::string others = remote_->finish(what, method_);
+  if (others.empty()) std::rethrow_exception(error);
+  // What the other ranks reported may name the root cause (the rank that
+  // stalled behind the one this rank waited for).
+  TORCH_CHECK(false, what, "; other ranks: ", others);
 }
 
 MPIPE_FUNC void CallLife::begin_watch(const Stages& stages) {
@@ -82,80 +172,5 @@ MPIPE_FUNC void CallLife::end_watch(const char* method) {
 }
 
 }  // namespace detail
-
-MPIPE_FUNC Tensors ModelPipelineImpl::Parts::call(const detail::CallKind& kind) {
-  RECORD_USER_SCOPE(std::string("mpipe::") + kind.method);  // the call, for profilers
-  const ModelPipelineOptions& options = self.options;
-  const bool threaded = options.worker_threads();
-  // State does not outlive a constant_train_step, whatever happens. The
-  // rollback (guarded) is set up before, so a failed step ends with the state
-  // of its start, not reset (Note [State snapshots]).
-  struct FreshState {
-    torch::nn::Module& m;
-    bool after;
-    FreshState(torch::nn::Module& module, bool before, bool after_) : m(module), after(after_) {
-      if (before || after) reset_states(m);
-    }
-    ~FreshState() {
-      if (after) reset_states(m);
-    }
-  };
-  return life.guarded(kind.method, options.track_memory(), stages, [&]() -> Tensors {
-    const detail::PipelineView p = view();
-    if (p.distributed()) {
-      FreshState fresh(self, kind.reset_first, kind.fresh_state);
-      return group.across(
-          kind.method, options.process_group(), stages.devices, executor,
-          [&](detail::RemoteCall& call) {
-            const detail::CallInfo info = detail::PipelineGroup::agree(
-                call, kind.method, [&] { return kind.describe(p); });
-            kind.check(p, info, &call);
-            const std::vector<Input> none;
-            return execute(kind.plan(p, info, call.first() ? kind.inputs : none,
-                                      call.last() ? kind.target : at::Tensor(), &call),
-                            threaded);
-          });
-    }
-    // A call refused for its arguments leaves the modules' state alone.
-    const detail::CallInfo info = kind.describe(p);
-    kind.check(p, info, nullptr);
-    FreshState fresh(self, kind.reset_first, kind.fresh_state);
-    if (kind.graphable) {  // a CUDA graph's replay, where the graph policy allows one
-      const at::Tensor& x = kind.inputs[0].tensor;
-      const detail::GraphKey key = detail::key_of(kind, info, self.is_training());
-      auto eager = [&](const at::Tensor& xg, const at::Tensor& yg, bool th) {
-        return detail::one_output(kind.method,
-                                  execute(kind.plan(p, info, {Input(xg)}, yg, nullptr), th));
-      };
-      const at::Tensor out =
-          kind.step ? graphs.step(self, stages, key, x, kind.target, eager)
-                    : graphs.call(self, stages, key, x, [&](const at::Tensor& xg, bool th) {
-                        return eager(xg, at::Tensor(), th);
-                      });
-      if (out.defined()) return {out};
-    }
-    return execute(kind.plan(p, info, kind.inputs, kind.target, nullptr), threaded);
-  });
-}
-
-MPIPE_FUNC Tensors ModelPipelineImpl::Parts::execute(detail::Plan plan, bool threaded) {
-  detail::CallSpec& spec = plan.spec;
-  {
-    RECORD_USER_SCOPE("mpipe::execute");
-    std::shared_ptr<detail::Recorder> recorder;
-    if (self.options.record_timeline() && !spec.remote) {  // one process's stages only (docs/distributed.md)
-      // The schedule's idle fraction with unit costs, training or not (forward
-      // programs give the fill-drain (n - 1) / (m + n - 1)).
-      recorder = std::make_shared<detail::Recorder>(spec.method, spec.item_name, spec.n_items,
-                                                    stages.devices, schedules::bubble(spec.programs));
-      if (spec.training) recorder->describe_schedule(spec.schedule, detail::stage_ranks(spec.programs));
-    }
-    spec.recorder = recorder.get();
-    executor.run(spec, stages.forwards, threaded);
-    if (recorder) timeline.pending = recorder;
-  }
-  RECORD_USER_SCOPE("mpipe::results");
-  return plan.results(spec);
-}
 
 }  // namespace mpipe

@@ -1,15 +1,15 @@
 #pragma once
 
 // Private: what a ModelPipelineImpl holds besides its options, one part per
-// concern (ModelPipelineImpl::Parts), and the session that runs every call
-// on it (Note [Plan, then run] in session-inl.h). Where things are
+// concern (PipelineParts), and the scope of one call on it (Call, Note [Plan,
+// then run] in session-inl.h). Where things are
 // (include/mpipe/detail/):
 //   pipeline/micro_batch_calls-inl.h  forward, train_step: the public
 //                             methods, their description, checks, plan, results
 //   pipeline/time_step_calls-inl.h    constant_forward, sequence_forward,
 //                             constant_train_step: the same
-//   pipeline/session-inl.h    Parts::call: any call's prologue, agreement
-//                             across processes, graph or executor, timeline
+//   pipeline/session-inl.h    Call: any call's life, agreement across
+//                             processes, the executor run and its timeline
 //   pipeline/model_pipeline-inl.h  append, devices, moves, loads, reports
 //   runtime/                  the executor of per-stage programs and its parts
 //   distributed/, cuda/, precision/, snn/  the rest, by layer
@@ -27,7 +27,9 @@
 #include "mpipe/detail/runtime/state_snapshot.h"
 
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,43 +62,10 @@ struct Plan {
   std::function<Tensors(const CallSpec&)> results;
 };
 
-/// A kind of call with its arguments (Note [Plan, then run]).
-class CallKind {
- public:
-  CallKind(const char* method_, const std::vector<Input>& inputs_, at::Tensor target_ = {})
-      : method(method_), inputs(inputs_), target(std::move(target_)) {}
-  virtual ~CallKind() = default;
-
-  /// Checks the arguments against the pipeline and describes the call;
-  /// under the call lock. Across processes it runs on the first rank, whose
-  /// description every rank uses.
-  virtual CallInfo describe(const PipelineView& p) const = 0;
-  /// The checks every rank makes inside the call, given the description.
-  virtual void check(const PipelineView&, const CallInfo&, RemoteCall*) const {}
-  /// This rank's plan; `in` and `y` where this rank needs them (across
-  /// processes: the inputs on the first rank, the target on the last).
-  virtual Plan plan(const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
-                    const at::Tensor& y, RemoteCall* remote) const = 0;
-
-  const char* method;
-  const std::vector<Input>& inputs;
-  at::Tensor target;
-  bool step = false;         // a training step: graphed as a step
-  bool fresh_state = false;  // state reset before and after (constant_train_step)
-  bool reset_first = false;  // state reset before (ModelPipelineOptions::reset_state_each_call)
-  bool one_tensor = false;   // the Tensor overload: its input is checked as it is
-  bool graphable = false;    // may run as a CUDA graph (a Tensor overload)
-};
-
 /// A call's life: one call at a time (stages' state must see calls in
-/// order), the memory watch, and the rollback of stateful modules when a
-/// call fails (Note [State snapshots]).
+/// order) and the memory watch of the last call.
 class CallLife {
  public:
-  /// `body()` under the call lock, the memory watch and the rollback.
-  template <typename F>
-  auto guarded(const char* method, bool track_memory, const Stages& stages, F&& body)
-      -> decltype(body());
   std::mutex& mutex() const { return mutex_; }
 
   /// The last watched call's figures per CUDA stage device (memory_report).
@@ -107,54 +76,94 @@ class CallLife {
   const std::vector<Counters>& counters() const { return counters_; }
   const std::string& watched_call() const { return watched_call_; }
 
- private:
   void begin_watch(const Stages& stages);
   void end_watch(const char* method);
 
+ private:
   mutable std::mutex mutex_;
   std::string watched_call_;
   std::vector<Counters> counters_;
 };
 
-template <typename F>
-auto CallLife::guarded(const char* method, bool track_memory, const Stages& stages, F&& body)
-    -> decltype(body()) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (track_memory) begin_watch(stages);
-  struct EndWatch {
-    CallLife& life;
-    const char* method;  // null: not watched
-    ~EndWatch() {
-      if (method) life.end_watch(method);
-    }
-  } end_watch{*this, track_memory ? method : nullptr};
-  RollbackOnFailure rollback(stages.stateful);  // Note [State snapshots]
-  start_with_fresh_casts();                     // Note [Autocast in the pipeline]
-  return body();
-}
-
-}  // namespace detail
-
-struct ModelPipelineImpl::Parts {
-  explicit Parts(ModelPipelineImpl& owner);
+/// What a ModelPipelineImpl holds besides its options, one part per concern.
+struct PipelineParts {
+  explicit PipelineParts(ModelPipelineImpl& owner);
 
   ModelPipelineImpl& self;
-  detail::Stages stages;
-  detail::Executor executor;
-  detail::CallLife life;
-  detail::GraphPolicy graphs;
-  detail::PipelineGroup group;  // across processes
-  detail::TimelineSlot timeline;
+  Stages stages;
+  Executor executor;
+  CallLife life;
+  GraphPolicy graphs;
+  PipelineGroup group;  // across processes
+  TimelineSlot timeline;
 
-  detail::PipelineView view() const { return {self, stages, executor, graphs, group}; }
-  /// The session: runs `kind` in one process or across processes, eagerly
-  /// or from a CUDA graph, under the call's life (guarded).
-  Tensors call(const detail::CallKind& kind);
-
- private:
-  /// `plan` through the executor, its tasks recorded when
-  /// options.record_timeline; its results.
-  Tensors execute(detail::Plan plan, bool threaded);
+  PipelineView view() const { return {self, stages, executor, graphs, group}; }
 };
 
+/// One call of a pipeline, as a scope (Note [Plan, then run]). While it
+/// lives it holds the call lock, the memory watch and the rollback of
+/// stateful modules on failure (Note [State snapshots]); across processes
+/// it is the call on every rank, whose error ends the call on every rank.
+/// The call's own code runs in between, in this order: agree on the
+/// description, check, reset state if the call asks, execute the plans,
+/// finish; and on an error, fail() from a catch block.
+class Call {
+ public:
+  Call(PipelineParts& parts, const char* method);
+  ~Call();
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+  const PipelineView& view() const { return view_; }
+  /// The call across processes; null in one process.
+  RemoteCall* remote() const { return remote_.get(); }
+  /// Whether this rank describes the call: in one process, or the first
+  /// rank. It first throws the error of a rank that appended stages after
+  /// the first call, which the call tells every rank.
+  bool describes() const;
+  /// Whether this rank takes the inputs (one process, or the first rank)
+  /// and the target (one process, or the last rank).
+  bool first() const { return !remote_ || remote_->first(); }
+  bool last() const { return !remote_ || remote_->last(); }
+  /// The description every rank uses: `mine` where describes(), else the
+  /// first rank's.
+  CallInfo agree(const std::optional<CallInfo>& mine);
+  /// Resets the modules' state now and, with `after`, when the call ends
+  /// (constant_train_step; ModelPipelineOptions::reset_state_each_call).
+  void reset_states_now(bool after);
+  /// `spec` through the executor, its tasks recorded when
+  /// options.record_timeline. The call hands back the plan's results.
+  void execute(CallSpec& spec, bool threaded);
+  /// A Tensor call's CUDA-graph replay in one process, where the graph
+  /// policy allows one (`step`: a training step); undefined when the call
+  /// is to run eagerly. `eager` runs it eagerly on the graph's inputs (the
+  /// policy's capture runs it).
+  at::Tensor replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info, bool step,
+                    const GraphPolicy::EagerStep& eager);
+  /// Ends the call; across processes, throws what another rank reported.
+  void finish();
+  /// From a catch block: ends the call on every rank and rethrows the
+  /// error, with what the other ranks reported.
+  [[noreturn]] void fail();
+
+ private:
+  PipelineParts& parts_;
+  const char* method_;
+  std::lock_guard<std::mutex> lock_;
+  struct Watch {  // the memory watch, ended when the call ends
+    PipelineParts& parts;
+    const char* method;  // null: not watched
+    ~Watch() {
+      if (method) parts.life.end_watch(method);
+    }
+  } watch_;
+  RollbackOnFailure rollback_;
+  bool reset_after_ = false;
+  PipelineView view_;
+  std::string late_;  // PipelineGroup::open's
+  std::unique_ptr<RemoteCall> remote_;
+  bool finished_ = false;
+};
+
+}  // namespace detail
 }  // namespace mpipe

@@ -1,7 +1,7 @@
 #pragma once
 
 // Private: a pipeline's stages and where they run, what append builds and
-// every call reads (one of ModelPipelineImpl::Parts, pipeline/session.h).
+// every call reads (one of the PipelineParts, pipeline/session.h).
 
 #include "mpipe/tensors.h"
 

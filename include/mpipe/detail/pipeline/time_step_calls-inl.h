@@ -3,7 +3,7 @@
 #include "mpipe/detail/config.h"
 
 // The time-step calls, constant_forward, sequence_forward and
-// constant_train_step: their public methods, and their kinds' description,
+// constant_train_step: their public methods, and each call's description,
 // checks, plan and results (Note [Plan, then run] in session-inl.h).
 // constant_train_step's plan is constant_forward's with the loss of the
 // summed outputs, backpropagated chunk by chunk (Note [Chained backward] in
@@ -25,26 +25,6 @@
 
 namespace mpipe {
 namespace detail {
-
-// Note [Time chunks]
-// ~~~~~~~~~~~~~~~~~~
-// With multi-step stages (ModelPipelineOptions::step_mode(Multi), or a
-// time_chunk given to the call) the items that flow through the stages are
-// chunks of k consecutive time steps, time-major [k, N, ...], not single
-// steps: each stage call runs k steps at once (stateless layers on [k*N, ...]
-// through SeqToANN, neurons as one fused multi-step kernel), so a stage makes
-// T/k calls instead of T, while chunks still overlap across stages as steps
-// do. k = 1 pipelines every step (most overlap, most calls); k >= T is one
-// chunk (no overlap over time). The last chunk may be shorter. State carries
-// from chunk to chunk as it does from step to step, and the outputs are cut
-// back into steps (and summed step by step when reducing), so results do not
-// depend on k, except where a layer's result depends on how many rows it
-// sees at once: batch statistics (SpikingConvBlock normalises step by step
-// in training for this reason), a BLAS that rounds a product over k*N rows
-// differently from one over N rows (MKL, cuBLAS: the last bit), and the
-// summation order of weight gradients. With ModelPipelineOptions::time_chunk
-// 0 the pipeline picks k (resolve_chunk): T on one device, where one chunk
-// measured fastest (bench/RESULTS.md, runs H and I).
 
 // Note [Micro-batches over time]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -129,184 +109,219 @@ MPIPE_FUNC const char* item_name(const TimeChunks& chunks) {
   return chunks.pick("item", "time chunk", "time step");
 }
 
-/// What the time-step calls share: T steps of the inputs, cut into chunks
-/// of `time_chunk` steps and micro-batches of `split`.
-class TimeStepCall : public CallKind {
- public:
-  TimeStepCall(const char* method_, const std::vector<Input>& inputs, bool one_tensor_,
-               std::optional<int64_t> time_chunk, std::optional<Split> split)
-      : CallKind(method_, inputs), time_chunk_(time_chunk), split_(split) {
-    one_tensor = graphable = one_tensor_;
-  }
-
- protected:
-  /// The call described over T steps of a batch of `batch` rows (checked).
-  CallInfo steps(const PipelineView& p, int64_t T, int64_t batch, bool reduce, bool fresh) const {
-    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::", method,
-                ": T (the number of time steps) must be positive, got ", T);
-    const auto split = split_of(p.options(), method, split_, inputs);
-    CallInfo c;
-    c.n_items = T;
-    c.reduce = reduce;
-    c.time_chunk = resolve_time_chunk(p, time_chunk_of(p.options(), method, time_chunk_), T);
-    c.batch = batch;
-    c.rows = resolve_rows(p, method, split, batch, T, c.time_chunk, fresh);
-    return c;
-  }
-
-  /// The spec's items: T steps in chunks, of each micro-batch, taken from
-  /// the inputs by `source`, the last stage's outputs kept in `outs`.
-  static Plan items(const char* method, const CallInfo& info, const PipelineView& p,
-                    RemoteCall* remote, const std::shared_ptr<TimeStepOutputs>& outs) {
-    Plan plan;
-    CallSpec& spec = plan.spec;
-    const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
-    spec.method = method;
-    spec.item_name = item_name(chunks);
-    spec.n_items = chunks.count();
-    spec.time_chunks = chunks;
-    spec.remote = remote;
-    spec.programs = schedules::forward_only(spec.n_items, p.n_stages());
-    spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
-    return plan;
-  }
-
-  std::optional<int64_t> time_chunk_;
-  std::optional<Split> split_;
+/// What every time-step call is given besides its own arguments.
+struct TimeStepArgs {
+  const char* method;
+  const std::vector<Input>& inputs;
+  bool one_tensor;  // through the Tensor overload
+  std::optional<int64_t> time_chunk;
+  std::optional<Split> split;
 };
+
+/// A time-step call described over T steps of a batch of `batch` rows
+/// (checked); `fresh`: it starts from reset state.
+MPIPE_FUNC CallInfo time_steps(const PipelineView& p, const TimeStepArgs& a, int64_t T,
+                               int64_t batch, bool reduce, bool fresh) {
+  TORCH_CHECK(T > 0, "mpipe::ModelPipeline::", a.method,
+              ": T (the number of time steps) must be positive, got ", T);
+  const auto split = split_of(p.options(), a.method, a.split, a.inputs);
+  CallInfo c;
+  c.n_items = T;
+  c.reduce = reduce;
+  c.time_chunk = resolve_time_chunk(p, time_chunk_of(p.options(), a.method, a.time_chunk), T);
+  c.batch = batch;
+  c.rows = resolve_rows(p, a.method, split, batch, T, c.time_chunk, fresh);
+  return c;
+}
+
+/// A time-step call's spec: T steps in chunks, of each micro-batch, forward
+/// programs, the last stage's outputs kept in `outs`.
+MPIPE_FUNC Plan time_step_items(const char* method, const CallInfo& info, const PipelineView& p,
+                                RemoteCall* remote, const std::shared_ptr<TimeStepOutputs>& outs) {
+  Plan plan;
+  CallSpec& spec = plan.spec;
+  const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
+  spec.method = method;
+  spec.item_name = item_name(chunks);
+  spec.n_items = chunks.count();
+  spec.time_chunks = chunks;
+  spec.remote = remote;
+  spec.programs = schedules::forward_only(spec.n_items, p.n_stages());
+  spec.sink = [outs](int64_t i, Tensors o) { outs->add_item(i, std::move(o)); };
+  return plan;
+}
+
+/// Runs a time-step call on every rank: `describe(p)` where this rank
+/// describes it, `check(p, info, remote)`, the modules' state reset first
+/// (`reset_first`) and after (`reset_after`), then `plan(p, info, inputs,
+/// target, remote)` executed, or a CUDA graph's replay of it (`step`: a
+/// training step's graph).
+template <typename Describe, typename Check, typename MakePlan>
+Tensors run_time_steps(PipelineParts& parts, const TimeStepArgs& a, const at::Tensor& target,
+                       bool reset_first, bool reset_after, bool step, Describe describe,
+                       Check check, MakePlan plan) {
+  Call call(parts, a.method);
+  try {
+    const PipelineView& p = call.view();
+    std::optional<CallInfo> mine;
+    if (call.describes()) mine = describe(p);
+    const CallInfo info = call.agree(mine);
+    check(p, info, call.remote());
+    if (reset_first || reset_after) call.reset_states_now(reset_after);
+    at::Tensor replayed;
+    if (a.one_tensor) {
+      replayed = call.replay(a.inputs[0].tensor, target, info, step,
+                             [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
+                               return one_output(a.method, run_plan(
+                                   call, plan(p, info, std::vector<Input>{x}, y, nullptr),
+                                   threaded));
+                             });
+    }
+    const std::vector<Input> none;
+    Tensors out = replayed.defined()
+                      ? Tensors{replayed}
+                      : run_plan(call,
+                                 plan(p, info, call.first() ? a.inputs : none,
+                                      call.last() ? target : at::Tensor(), call.remote()),
+                                 p.options().worker_threads());
+    call.finish();
+    return out;
+  } catch (...) {
+    call.fail();
+  }
+}
 
 // constant_forward and constant_train_step ---------------------------------------
 
-/// The same input at every step; with a loss function, constant_train_step.
-class ConstantCall : public TimeStepCall {
- public:
-  ConstantCall(const char* method_, const std::vector<Input>& inputs, int64_t T, bool reduce,
-               bool one_tensor_, std::optional<int64_t> time_chunk, std::optional<Split> split,
-               const LossFunction* loss_fn = nullptr, const at::Tensor& y = {})
-      : TimeStepCall(method_, inputs, one_tensor_, time_chunk, split),
-        T_(T),
-        reduce_(reduce),
-        loss_fn_(loss_fn) {
-    target = y;
-  }
-
-  CallInfo describe(const PipelineView& p) const override {
-    check_runnable(p, method, one_tensor ? &inputs[0].tensor : nullptr);
-    const bool fresh = loss_fn_ || p.options().reset_state_each_call();
-    return steps(p, T_, batch_size(method, inputs, 0), reduce_, fresh);
-  }
-
-  void check(const PipelineView& p, const CallInfo& info, RemoteCall* remote) const override {
-    if (!loss_fn_) return;
-    check_grad_mode(method);
-    // Checkpointing by micro-batch, never the last stage (Note [Checkpointed
-    // time steps]); micro-batch 0 is checkpointed whenever any is.
-    const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
-    if (p.training() && checkpointed(p.options().checkpoint(), 0, chunks.micro_batches())) {
-      check_checkpointable(p, method, /*except_last=*/true);
-    }
-    if (!remote || remote->last()) check_loss_fn(method, *loss_fn_);
-  }
-
-  Plan plan(const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
-            const at::Tensor& y, RemoteCall* remote) const override {
-    const int64_t n_stages = p.n_stages();
-    const char* name = method;
-    auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0 || loss_fn_,
-                                                  TimeChunks{info.n_items, info.time_chunk, info.rows,
-                                                             info.batch});
-    Plan plan = items(name, info, p, remote, outs);
-    CallSpec& spec = plan.spec;
-    const TimeChunks chunks = spec.time_chunks;
-    auto kept = std::make_shared<const std::vector<Input>>(in);
-    const Tensors tensors = tensors_of(in);
-    if (chunks.split()) {
-      spec.source = [kept, chunks](int64_t i) {
-        return chunks.multi() ? repeated_chunk(*kept, chunks, i) : constant_step(*kept, chunks, i);
-      };
-    } else if (chunks.multi()) {
-      // Every chunk is the same view unless the last is shorter.
-      spec.same_input = info.n_items % info.time_chunk == 0 || spec.n_items == 1;
-      spec.source = [kept, chunks](int64_t i) { return repeated_chunk(*kept, chunks, i); };
-    } else {
-      spec.same_input = true;
-      spec.source = [tensors](int64_t) { return tensors; };
-    }
-    spec.caller_tensors = tensors;
-    if (!loss_fn_) {
-      plan.results = [outs, remote, name, n_stages](const CallSpec&) -> Tensors {
-        if (remote && !remote->last()) return {};
-        return for_caller(outs->results(name, n_stages - 1, /*stack=*/false));
-      };
-      return plan;
-    }
-    // constant_train_step: the loss of the summed outputs, then backward chunk
-    // by chunk (Note [Chained backward]).
-    spec.programs = chained(spec.n_items, n_stages);
-    spec.training = spec.chained = true;
-    // By micro-batch (Note [Checkpointed time steps] in runtime/backward_actions-inl.h).
-    spec.checkpoint = p.training() ? p.options().checkpoint() : Checkpoint::Never;
-    spec.stateful = &p.stages.stateful;
-    if (y.defined()) spec.caller_tensors.push_back(y);
-    spec.chain_loss = [outs, name, n_stages, loss_fn = *loss_fn_, y] {  // on the last stage's stream
-      return scalar_loss(loss_fn, for_caller(outs->results(name, n_stages - 1, false)), y);
+/// constant_forward's plan (the same input at every step) or, with
+/// `loss_fn`, constant_train_step's.
+MPIPE_FUNC Plan constant_plan(const PipelineView& p, const CallInfo& info,
+                              const std::vector<Input>& in, const at::Tensor& y,
+                              const LossFunction* loss_fn, RemoteCall* remote) {
+  const int64_t n_stages = p.n_stages();
+  const char* name = loss_fn ? "constant_train_step" : "constant_forward";
+  auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0 || loss_fn,
+                                                TimeChunks{info.n_items, info.time_chunk, info.rows,
+                                                           info.batch});
+  Plan plan = time_step_items(name, info, p, remote, outs);
+  CallSpec& spec = plan.spec;
+  const TimeChunks chunks = spec.time_chunks;
+  auto kept = std::make_shared<const std::vector<Input>>(in);
+  const Tensors tensors = tensors_of(in);
+  if (chunks.split()) {
+    spec.source = [kept, chunks](int64_t i) {
+      return chunks.multi() ? repeated_chunk(*kept, chunks, i) : constant_step(*kept, chunks, i);
     };
-    // Data parallelism: the replicas' gradients averaged (a mean loss).
-    auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
-    plan.results = [remote, replicas](const CallSpec& done) -> Tensors {
-      at::Tensor loss = done.loss_sum;
-      if (remote && !remote->last()) loss = at::Tensor();
-      if (loss.defined()) record_on_current(loss);  // the executor's join made it the caller's
-      replicas->reduce(/*mean=*/true, loss);
-      return loss.defined() ? Tensors{loss} : Tensors{};
+  } else if (chunks.multi()) {
+    // Every chunk is the same view unless the last is shorter.
+    spec.same_input = info.n_items % info.time_chunk == 0 || spec.n_items == 1;
+    spec.source = [kept, chunks](int64_t i) { return repeated_chunk(*kept, chunks, i); };
+  } else {
+    spec.same_input = true;
+    spec.source = [tensors](int64_t) { return tensors; };
+  }
+  spec.caller_tensors = tensors;
+  if (!loss_fn) {
+    plan.results = [outs, remote, name, n_stages](const CallSpec&) -> Tensors {
+      if (remote && !remote->last()) return {};
+      return for_caller(outs->results(name, n_stages - 1, /*stack=*/false));
     };
     return plan;
   }
+  // constant_train_step: the loss of the summed outputs, then backward chunk
+  // by chunk (Note [Chained backward]).
+  spec.programs = chained(spec.n_items, n_stages);
+  spec.training = spec.chained = true;
+  // By micro-batch (Note [Checkpointed time steps] in runtime/backward_actions-inl.h).
+  spec.checkpoint = p.training() ? p.options().checkpoint() : Checkpoint::Never;
+  spec.stateful = &p.stages.stateful;
+  if (y.defined()) spec.caller_tensors.push_back(y);
+  spec.chain_loss = [outs, name, n_stages, loss_fn = *loss_fn, y] {  // on the last stage's stream
+    return scalar_loss(loss_fn, for_caller(outs->results(name, n_stages - 1, false)), y);
+  };
+  // Data parallelism: the replicas' gradients averaged (a mean loss).
+  auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
+  plan.results = [remote, replicas](const CallSpec& done) -> Tensors {
+    at::Tensor loss = done.loss_sum;
+    if (remote && !remote->last()) loss = at::Tensor();
+    if (loss.defined()) record_on_current(loss);  // the executor's join made it the caller's
+    replicas->reduce(/*mean=*/true, loss);
+    return loss.defined() ? Tensors{loss} : Tensors{};
+  };
+  return plan;
+}
 
- private:
-  int64_t T_;
-  bool reduce_;
-  const LossFunction* loss_fn_;  // constant_train_step
-};
+/// constant_forward, or with `loss_fn` constant_train_step.
+MPIPE_FUNC Tensors constant_call(PipelineParts& parts, const TimeStepArgs& a, int64_t T,
+                                 bool reduce, const LossFunction* loss_fn = nullptr,
+                                 const at::Tensor& target = {}) {
+  const bool reset = parts.self.options.reset_state_each_call();
+  return run_time_steps(
+      parts, a, target, /*reset_first=*/reset, /*reset_after=*/loss_fn != nullptr,
+      /*step=*/loss_fn != nullptr,
+      [&](const PipelineView& p) {
+        check_runnable(p, a.method, a.one_tensor ? &a.inputs[0].tensor : nullptr);
+        return time_steps(p, a, T, batch_size(a.method, a.inputs, 0), reduce, loss_fn || reset);
+      },
+      [&](const PipelineView& p, const CallInfo& info, RemoteCall* remote) {
+        if (!loss_fn) return;
+        check_grad_mode(a.method);
+        // Checkpointing by micro-batch, never the last stage (Note
+        // [Checkpointed time steps]); micro-batch 0 is checkpointed whenever
+        // any is.
+        const TimeChunks chunks{info.n_items, info.time_chunk, info.rows, info.batch};
+        if (p.training() && checkpointed(p.options().checkpoint(), 0, chunks.micro_batches())) {
+          check_checkpointable(p, a.method, /*except_last=*/true);
+        }
+        if (!remote || remote->last()) check_loss_fn(a.method, *loss_fn);
+      },
+      [&](const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
+          const at::Tensor& y, RemoteCall* remote) {
+        return constant_plan(p, info, in, y, loss_fn, remote);
+      });
+}
 
 // sequence_forward ----------------------------------------------------------------
 
-class SequenceCall : public TimeStepCall {
- public:
-  using TimeStepCall::TimeStepCall;
-  bool reduce = false;
+MPIPE_FUNC Plan sequence_plan(const PipelineView& p, const CallInfo& info,
+                              const std::vector<Input>& in, RemoteCall* remote) {
+  const int64_t n_stages = p.n_stages();
+  auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0,
+                                                TimeChunks{info.n_items, info.time_chunk, info.rows,
+                                                           info.batch});
+  Plan plan = time_step_items("sequence_forward", info, p, remote, outs);
+  CallSpec& spec = plan.spec;
+  auto kept = std::make_shared<const std::vector<Input>>(in);
+  spec.source = [kept, chunks = spec.time_chunks](int64_t i) {
+    return chunks.multi() ? sequence_chunk(*kept, chunks, i) : time_step(*kept, chunks, i);
+  };
+  spec.caller_tensors = tensors_of(in);
+  plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
+    if (remote && !remote->last()) return {};
+    return for_caller(outs->results("sequence_forward", n_stages - 1, /*stack=*/true));
+  };
+  return plan;
+}
 
-  CallInfo describe(const PipelineView& p) const override {
-    check_runnable(p, method, one_tensor ? &inputs[0].tensor : nullptr, /*time_major=*/true);
-    const int64_t T = batch_size(method, inputs, 0);
-    TORCH_CHECK(T != -1, "mpipe::ModelPipeline::sequence_forward: no input is batched; a "
-                "batched input is [T, N, ...]");
-    const int64_t batch = batch_size(method, inputs, 1);
-    TORCH_CHECK(T > 0, "mpipe::ModelPipeline::sequence_forward: the sequence has no time steps "
-                "(T = 0)");
-    return steps(p, T, batch, reduce, p.options().reset_state_each_call());
-  }
-
-  Plan plan(const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
-            const at::Tensor&, RemoteCall* remote) const override {
-    const int64_t n_stages = p.n_stages();
-    auto outs = std::make_shared<TimeStepOutputs>(info.reduce != 0,
-                                                  TimeChunks{info.n_items, info.time_chunk, info.rows,
-                                                             info.batch});
-    Plan plan = items(method, info, p, remote, outs);
-    CallSpec& spec = plan.spec;
-    auto kept = std::make_shared<const std::vector<Input>>(in);
-    spec.source = [kept, chunks = spec.time_chunks](int64_t i) {
-      return chunks.multi() ? sequence_chunk(*kept, chunks, i) : time_step(*kept, chunks, i);
-    };
-    spec.caller_tensors = tensors_of(in);
-    plan.results = [outs, remote, n_stages](const CallSpec&) -> Tensors {
-      if (remote && !remote->last()) return {};
-      return for_caller(outs->results("sequence_forward", n_stages - 1, /*stack=*/true));
-    };
-    return plan;
-  }
-};
+MPIPE_FUNC Tensors sequence_call(PipelineParts& parts, const TimeStepArgs& a, bool reduce) {
+  const bool reset = parts.self.options.reset_state_each_call();
+  return run_time_steps(
+      parts, a, at::Tensor(), reset, false, false,
+      [&](const PipelineView& p) {
+        check_runnable(p, a.method, a.one_tensor ? &a.inputs[0].tensor : nullptr,
+                       /*time_major=*/true);
+        const int64_t T = batch_size(a.method, a.inputs, 0);
+        TORCH_CHECK(T != -1, "mpipe::ModelPipeline::sequence_forward: no input is batched; a "
+                    "batched input is [T, N, ...]");
+        const int64_t batch = batch_size(a.method, a.inputs, 1);
+        TORCH_CHECK(T > 0, "mpipe::ModelPipeline::sequence_forward: the sequence has no time "
+                    "steps (T = 0)");
+        return time_steps(p, a, T, batch, reduce, reset);
+      },
+      [](const PipelineView&, const CallInfo&, RemoteCall*) {},
+      [&](const PipelineView& p, const CallInfo& info, const std::vector<Input>& in,
+          const at::Tensor&, RemoteCall* remote) { return sequence_plan(p, info, in, remote); });
+}
 
 }  // namespace detail
 
@@ -317,38 +332,36 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_forward(const at::Tensor& x, i
                                                           std::optional<int64_t> time_chunk,
                                                           std::optional<Split> split) {
   const std::vector<Input> inputs{x};
-  detail::ConstantCall call("constant_forward", inputs, T, reduce, true, time_chunk, split);
-  call.reset_first = options.reset_state_each_call();
-  return detail::one_output("constant_forward", parts_->call(call));
+  return detail::one_output("constant_forward",
+                            detail::constant_call(*parts_, {"constant_forward", inputs, true,
+                                                            time_chunk, split},
+                                                  T, reduce));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::constant_forward(const std::vector<Input>& inputs, int64_t T,
                                                        bool reduce,
                                                        std::optional<int64_t> time_chunk,
                                                        std::optional<Split> split) {
-  detail::ConstantCall call("constant_forward", inputs, T, reduce, false, time_chunk, split);
-  call.reset_first = options.reset_state_each_call();
-  return parts_->call(call);
+  return detail::constant_call(*parts_, {"constant_forward", inputs, false, time_chunk, split}, T,
+                               reduce);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::sequence_forward(const at::Tensor& x_seq, bool reduce,
                                                           std::optional<int64_t> time_chunk,
                                                           std::optional<Split> split) {
   const std::vector<Input> inputs{x_seq};
-  detail::SequenceCall call("sequence_forward", inputs, true, time_chunk, split);
-  call.reduce = reduce;
-  call.reset_first = options.reset_state_each_call();
-  return detail::one_output("sequence_forward", parts_->call(call));
+  return detail::one_output("sequence_forward",
+                            detail::sequence_call(*parts_, {"sequence_forward", inputs, true,
+                                                            time_chunk, split},
+                                                  reduce));
 }
 
 MPIPE_FUNC Tensors ModelPipelineImpl::sequence_forward(const std::vector<Input>& inputs,
                                                        bool reduce,
                                                        std::optional<int64_t> time_chunk,
                                                        std::optional<Split> split) {
-  detail::SequenceCall call("sequence_forward", inputs, false, time_chunk, split);
-  call.reduce = reduce;
-  call.reset_first = options.reset_state_each_call();
-  return parts_->call(call);
+  return detail::sequence_call(*parts_, {"sequence_forward", inputs, false, time_chunk, split},
+                               reduce);
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x, int64_t T,
@@ -356,11 +369,12 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const at::Tensor& x
                                                              const LossFunction& loss_fn,
                                                              std::optional<int64_t> time_chunk,
                                                              std::optional<Split> split) {
+  // x keeps its autograd identity: with gradients, never graphed.
   const std::vector<Input> inputs{x};
-  detail::ConstantCall call("constant_train_step", inputs, T, false, true, time_chunk, split,
-                            &loss_fn, target);
-  call.step = call.fresh_state = true;  // x keeps its autograd identity: with gradients, never graphed
-  return detail::one_output("constant_train_step", parts_->call(call));
+  return detail::one_output(
+      "constant_train_step",
+      detail::constant_call(*parts_, {"constant_train_step", inputs, true, time_chunk, split}, T,
+                            false, &loss_fn, target));
 }
 
 MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<Input>& inputs,
@@ -368,10 +382,10 @@ MPIPE_FUNC at::Tensor ModelPipelineImpl::constant_train_step(const std::vector<I
                                                              const LossFunction& loss_fn,
                                                              std::optional<int64_t> time_chunk,
                                                              std::optional<Split> split) {
-  detail::ConstantCall call("constant_train_step", inputs, T, false, false, time_chunk, split,
-                            &loss_fn, target);
-  call.step = call.fresh_state = true;
-  return detail::one_output("constant_train_step", parts_->call(call));
+  return detail::one_output(
+      "constant_train_step",
+      detail::constant_call(*parts_, {"constant_train_step", inputs, false, time_chunk, split}, T,
+                            false, &loss_fn, target));
 }
 
 }  // namespace mpipe

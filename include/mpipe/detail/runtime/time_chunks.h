@@ -1,8 +1,8 @@
 #pragma once
 
-// Private: a call's T time steps as items of k steps each (Note [Time chunks]
-// in pipeline/time_step_calls-inl.h), for each of its micro-batches (Note
-// [Micro-batches over time] there).
+// Private: a call's T time steps as items of k steps each (Note [Time
+// chunks]), for each of its micro-batches (Note [Micro-batches over time] in
+// pipeline/time_step_calls-inl.h).
 
 #include <c10/util/StringUtil.h>
 
@@ -12,6 +12,27 @@
 
 namespace mpipe {
 namespace detail {
+
+// Note [Time chunks]
+// ~~~~~~~~~~~~~~~~~~
+// With multi-step stages (ModelPipelineOptions::step_mode(Multi), or a
+// time_chunk given to the call) the items that flow through the stages are
+// chunks of k consecutive time steps, time-major [k, N, ...], not single
+// steps: each stage call runs k steps at once (stateless layers on [k*N, ...]
+// through SeqToANN, neurons as one fused multi-step kernel), so a stage makes
+// T/k calls instead of T, while chunks still overlap across stages as steps
+// do. k = 1 pipelines every step (most overlap, most calls); k >= T is one
+// chunk (no overlap over time). The last chunk may be shorter. State carries
+// from chunk to chunk as it does from step to step, and the outputs are cut
+// back into steps (and summed step by step when reducing), so results do not
+// depend on k, except where a layer's result depends on how many rows it
+// sees at once: batch statistics (SpikingConvBlock normalises step by step
+// in training for this reason), a BLAS that rounds a product over k*N rows
+// differently from one over N rows (MKL, cuBLAS: the last bit), and the
+// summation order of weight gradients. With ModelPipelineOptions::time_chunk
+// 0 the pipeline picks k (resolve_time_chunk): T on one device, where one chunk
+// measured fastest (bench/RESULTS.md, runs H and I).
+
 
 /// A call's time chunk chosen by the pipeline (ModelPipelineOptions::time_chunk 0).
 constexpr int64_t kAutoChunk = -1;
