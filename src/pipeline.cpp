@@ -4,7 +4,6 @@
 #include "mpipe/detail/pipeline/batchnorm-inl.h"
 #include "mpipe/detail/pipeline/session-inl.h"
 #include "mpipe/detail/cuda/graph_policy-inl.h"
-#include "mpipe/detail/pipeline/call_checks-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/grad_norm-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"

@@ -26,17 +26,15 @@ namespace detail {
 // losses are reduced the same way.
 class ReplicaGradients {
  public:
-  ReplicaGradients(std::vector<at::Tensor> params, detail::RemoteCall* remote)
-      : remote_(remote && remote->group().replicas() > 1 ? remote : nullptr) {
-    if (!remote_) return;
-    params_ = std::move(params);
+  /// Made before the step, on a rank whose group has replicas > 1.
+  ReplicaGradients(std::vector<at::Tensor> params, detail::RemoteCall& remote)
+      : remote_(&remote), params_(std::move(params)) {
     for (const auto& p : params_) {
       before_.push_back(p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
     }
   }
 
   void reduce(bool mean, at::Tensor& loss) {
-    if (!remote_) return;
     std::vector<at::Tensor> added;
     for (size_t k = 0; k < params_.size(); ++k) {
       at::Tensor& p = params_[k];

@@ -5,9 +5,8 @@
 // The micro-batch calls, forward and train_step: their public methods, and
 // each call's description, checks, plan and results (Note [Plan, then run]
 // in session-inl.h). train_step runs per-stage programs of forwards and
-// backwards (Note [Training runtime] in runtime/backward_actions-inl.h).
+// backwards (Note [Training runtime] in runtime/actions-inl.h).
 
-#include "mpipe/detail/pipeline/call_checks.h"
 #include "mpipe/detail/pipeline/session.h"
 
 #include "mpipe/detail/distributed/replicas.h"
@@ -89,20 +88,23 @@ MPIPE_FUNC Tensors forward(PipelineParts& parts, const std::vector<Input>& input
       mine = micro_batches("forward", inputs, split);
     }
     const CallInfo info = call.agree(mine);
+    // The plan, run (eagerly, or by the graph policy's capture).
+    auto eager = [&](const std::vector<Input>& in, bool threaded, RemoteCall* remote) {
+      Plan plan = forward_plan(p, info, in, remote);
+      call.execute(plan.spec, threaded);
+      return plan.results(plan.spec);
+    };
     at::Tensor replayed;
     if (one_tensor) {
       replayed = call.replay(inputs[0].tensor, {}, info, /*step=*/false,
                              [&](const at::Tensor& x, const at::Tensor&, bool threaded) {
-                               return one_output("forward", run_plan(
-                                   call, forward_plan(p, info, {Input(x)}, nullptr), threaded));
+                               return one_output("forward", eager({Input(x)}, threaded, nullptr));
                              });
     }
     const std::vector<Input> none;
-    Tensors out = replayed.defined()
-                      ? Tensors{replayed}
-                      : run_plan(call,
-                                 forward_plan(p, info, call.first() ? inputs : none, call.remote()),
-                                 p.options().worker_threads());
+    Tensors out = replayed.defined() ? Tensors{replayed}
+                                     : eager(call.first() ? inputs : none,
+                                             p.options().worker_threads(), call.remote());
     call.finish();
     return out;
   } catch (...) {
@@ -229,7 +231,10 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
   spec.caller_tensors = tensors_of(*in);
   if (y.defined()) spec.caller_tensors.push_back(y);
   // Data parallelism: what this step adds to the gradients, before it runs.
-  auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
+  std::shared_ptr<ReplicaGradients> replicas;
+  if (remote && remote->group().replicas() > 1) {
+    replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), *remote);
+  }
   const Stages* stages = &p.stages;
   plan.results = [stages, caller, in, requires_grad, rows, batch, mean,
                   replicas](const CallSpec& done) -> Tensors {
@@ -266,7 +271,7 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
       NoAutocast no_autocast;  // the caller's graph: the engine's threads
       torch::autograd::backward(roots, grads);
     }
-    replicas->reduce(mean, loss);
+    if (replicas) replicas->reduce(mean, loss);
     return loss.defined() ? Tensors{loss} : Tensors{};
   };
   return plan;
@@ -286,6 +291,12 @@ MPIPE_FUNC at::Tensor train_step(PipelineParts& parts, const std::vector<Input>&
     }
     const CallInfo info = call.agree(mine);
     check_train_step(p, info, target, loss_fn, step, call.remote());
+    auto eager = [&](const std::vector<Input>& in, const at::Tensor& y, bool threaded,
+                     RemoteCall* remote) {
+      Plan plan = train_step_plan(p, info, in, y, loss_fn, step, remote);
+      call.execute(plan.spec, threaded);
+      return one_output("train_step", plan.results(plan.spec));
+    };
     at::Tensor loss;
     // A scaled step runs eagerly (the scale changes as training goes), and so
     // does one whose input needs gradients or that runs given programs.
@@ -293,21 +304,13 @@ MPIPE_FUNC at::Tensor train_step(PipelineParts& parts, const std::vector<Input>&
         step.programs().empty()) {
       loss = call.replay(inputs[0].tensor, target, info, /*step=*/true,
                          [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
-                           return one_output("train_step",
-                                             run_plan(call,
-                                                      train_step_plan(p, info, {Input(x)}, y,
-                                                                      loss_fn, step, nullptr),
-                                                      threaded));
+                           return eager({Input(x)}, y, threaded, nullptr);
                          });
     }
     if (!loss.defined()) {
       const std::vector<Input> none;
-      loss = one_output("train_step",
-                        run_plan(call,
-                                 train_step_plan(p, info, call.first() ? inputs : none,
-                                                 call.last() ? target : at::Tensor(), loss_fn,
-                                                 step, call.remote()),
-                                 p.options().worker_threads()));
+      loss = eager(call.first() ? inputs : none, call.last() ? target : at::Tensor(),
+                   p.options().worker_threads(), call.remote());
     }
     call.finish();
     return loss;

@@ -7,9 +7,8 @@
 // checks, plan and results (Note [Plan, then run] in session-inl.h).
 // constant_train_step's plan is constant_forward's with the loss of the
 // summed outputs, backpropagated chunk by chunk (Note [Chained backward] in
-// runtime/chunk_chain.h).
+// runtime/time_chunks.h).
 
-#include "mpipe/detail/pipeline/call_checks.h"
 #include "mpipe/detail/pipeline/session.h"
 
 #include "mpipe/detail/distributed/replicas.h"
@@ -168,22 +167,24 @@ Tensors run_time_steps(PipelineParts& parts, const TimeStepArgs& a, const at::Te
     const CallInfo info = call.agree(mine);
     check(p, info, call.remote());
     if (reset_first || reset_after) call.reset_states_now(reset_after);
+    auto eager = [&](const std::vector<Input>& in, const at::Tensor& y, bool threaded,
+                     RemoteCall* remote) {
+      Plan made = plan(p, info, in, y, remote);
+      call.execute(made.spec, threaded);
+      return made.results(made.spec);
+    };
     at::Tensor replayed;
     if (a.one_tensor) {
       replayed = call.replay(a.inputs[0].tensor, target, info, step,
                              [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
-                               return one_output(a.method, run_plan(
-                                   call, plan(p, info, std::vector<Input>{x}, y, nullptr),
-                                   threaded));
+                               return one_output(a.method, eager({Input(x)}, y, threaded, nullptr));
                              });
     }
     const std::vector<Input> none;
     Tensors out = replayed.defined()
                       ? Tensors{replayed}
-                      : run_plan(call,
-                                 plan(p, info, call.first() ? a.inputs : none,
-                                      call.last() ? target : at::Tensor(), call.remote()),
-                                 p.options().worker_threads());
+                      : eager(call.first() ? a.inputs : none, call.last() ? target : at::Tensor(),
+                              p.options().worker_threads(), call.remote());
     call.finish();
     return out;
   } catch (...) {
@@ -240,12 +241,15 @@ MPIPE_FUNC Plan constant_plan(const PipelineView& p, const CallInfo& info,
     return scalar_loss(loss_fn, for_caller(outs->results(name, n_stages - 1, false)), y);
   };
   // Data parallelism: the replicas' gradients averaged (a mean loss).
-  auto replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), remote);
+  std::shared_ptr<ReplicaGradients> replicas;
+  if (remote && remote->group().replicas() > 1) {
+    replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), *remote);
+  }
   plan.results = [remote, replicas](const CallSpec& done) -> Tensors {
     at::Tensor loss = done.loss_sum;
     if (remote && !remote->last()) loss = at::Tensor();
     if (loss.defined()) record_on_current(loss);  // the executor's join made it the caller's
-    replicas->reduce(/*mean=*/true, loss);
+    if (replicas) replicas->reduce(/*mean=*/true, loss);
     return loss.defined() ? Tensors{loss} : Tensors{};
   };
   return plan;

@@ -8,7 +8,6 @@
 
 #include "mpipe/detail/runtime/executor_run.h"
 
-#include "mpipe/detail/runtime/backward_scope.h"
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/recorder.h"
 #include "mpipe/detail/runtime/streams.h"
@@ -55,6 +54,16 @@ namespace detail {
 // micro-batch in every mode. Losses are summed in micro-batch order after the
 // step, so the returned loss does not depend on the schedule. Nothing is
 // checkpointed in eval mode.
+
+/// The stream of item i on stage j: its lane (Note [Lanes] in executor-inl.h).
+MPIPE_FUNC c10::optional<c10::Stream> Executor::stream_for(const CallSpec& call, int64_t j,
+                                                           int64_t i) const {
+  const StagePlace& stage = place(j);
+  if (call.lanes <= 1 || !stage.compute || !call.lane_stages[local(j)]) return stage.compute;
+  const auto lane = static_cast<size_t>(i % call.lanes);
+  if (lane == 0 || lane > stage.lanes.size()) return stage.compute;
+  return stage.lanes[lane - 1];
+}
 
 MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {
   CallSpec& call = *run.call;

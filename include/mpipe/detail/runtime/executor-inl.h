@@ -5,9 +5,8 @@
 #include "mpipe/detail/runtime/executor_run.h"
 
 #include "mpipe/detail/precision/autocast.h"
-#include "mpipe/detail/runtime/backward_scope.h"
 #include "mpipe/detail/precision/cast_grads.h"
-#include "mpipe/detail/runtime/chunk_chain.h"
+#include "mpipe/detail/runtime/time_chunks.h"
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/recorder.h"
 #include "mpipe/detail/runtime/skips.h"
@@ -80,15 +79,6 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // stateful modules, training steps (whose backward follows each forward's
 // stream) and time-step calls keep one stream. The values are the same: each
 // micro-batch runs the same kernels, only their order on the GPU changes.
-
-MPIPE_FUNC c10::optional<c10::Stream> Executor::stream_for(const CallSpec& call, int64_t j,
-                                                           int64_t i) const {
-  const StagePlace& stage = place(j);
-  if (call.lanes <= 1 || !stage.compute || !call.lane_stages[local(j)]) return stage.compute;
-  const auto lane = static_cast<size_t>(i % call.lanes);
-  if (lane == 0 || lane > stage.lanes.size()) return stage.compute;
-  return stage.lanes[lane - 1];
-}
 
 MPIPE_FUNC void Executor::ensure_lanes(int64_t k) {
   for (size_t j = 0; j < stages_.size(); ++j) {

@@ -99,7 +99,7 @@ struct CallSpec {
   /// Time chunks chained by state (constant_train_step): stage 0 takes the
   /// caller's tensors as they are, the last stage gives its outputs to `sink`
   /// and, after the last item, backpropagates `chain_loss()`; each B(i, s)
-  /// runs its chunk's nodes only (Note [Chained backward] in chunk_chain.h).
+  /// runs its chunk's nodes only (Note [Chained backward] in time_chunks.h).
   bool chained = false;
   std::function<at::Tensor()> chain_loss;
   /// Item i's targets, on the caller's devices.

@@ -8,7 +8,7 @@
 
 #include "mpipe/detail/precision/autocast.h"
 #include "mpipe/detail/precision/cast_grads.h"
-#include "mpipe/detail/runtime/chunk_chain.h"
+#include "mpipe/detail/runtime/time_chunks.h"
 #include "mpipe/detail/runtime/executor.h"
 #include "mpipe/detail/runtime/rng.h"
 #include "mpipe/detail/runtime/skips.h"
