@@ -2,14 +2,24 @@
 
 Note [Counting a call's files]
 A file is on a call's path when one of its functions runs during the call
-(inlined or not: the tracer is built at -O0 with -fno-inline). Declarations
-that run no code (types, options read as fields) do not count. The user's own
-code (this tracer's loss) and torch's are outside. A file is *entered* when a
-function of another file calls into it, or when a worker thread starts in it.
-A *bounce* is an entry into a file that is already on the same thread's call
-stack below the caller: control left the file and comes back into it from
-further down. Bounces from the runtime (the executor calling the plan's
-source, target and loss, which the issue allows) are listed apart.
+(the tracer is built at -O0 with -fno-inline, so inlined code counts too).
+Declarations that run no code (types, options read as fields) do not count,
+nor do the destructors the compiler writes for closures. A header and its
+-inl.h are one unit, as they are one concept. The user's code (this tracer's
+loss) and torch's are outside.
+
+The files a reader follows are the *steps*: the private units that hand
+control on to another private unit. A unit that calls none (a leaf: a
+tensor split, a stream record, the chained programs, a timeline entry) is
+a helper whose name says what it does, and the public headers (the options,
+Split, Input, the schedules, and the stage adapters of model_pipeline.h
+through which the executor calls the stages) are the user's vocabulary:
+both are listed but not counted.
+
+A unit is *entered again* when a function of another file calls into it
+while it is already on the same thread's call stack below the caller: control
+left it and comes back. The runtime's calls into the plan (its source,
+target and loss) are listed apart; the issue allows them.
 """
 import collections
 import re
@@ -63,27 +73,28 @@ for thread, kind, fn, _ in events:
 
 files = [f for f in sorted(first, key=first.get) if f != "(user)"]
 unit = lambda f: re.sub(r"(_cuda|_none)?-inl\.h$", ".h", f)
-calls_out = collections.defaultdict(set)  # unit -> units it calls into
+private = lambda u: u.startswith("mpipe/detail/")
+calls_out = collections.defaultdict(set)  # private unit -> private units it calls into
 for f in files:
-    for s in sources[f]:
-        if s in first and s != "(user)" and unit(s) != unit(f):
-            calls_out[unit(s)].add(unit(f))
-units = sorted({unit(f) for f in files}, key=lambda u: min(first[f] for f in files if unit(f) == u))
-spine = [u for u in units if calls_out[u]]
-public = [f for f in files if f.count("/") == 1]
-print("== %s: %d files with code on the path (%d public headers among them)"
-      % (call, len(files), len(public)))
+    for src in sources[f]:
+        if src in first and src != "(user)" and unit(src) != unit(f) and private(unit(f)):
+            calls_out[unit(src)].add(unit(f))
+units = []
 for f in files:
-    print("  %-50s entered %4d times, from %s" % (
-        f, entries[f], ", ".join("%s x%d" % (s, n) for s, n in sources[f].most_common(4))))
-print("  %d units (a header with its -inl.h), %d of them calling into another (the spine):"
-      % (len(units), len(spine)))
-for u in spine:
-    print("    %-48s -> %s" % (u, ", ".join(sorted(calls_out[u]))))
-print("  bounces (back into a file already on the stack, not from the runtime): %d"
-      % sum(bounces.values()))
+    if unit(f) not in units:
+        units.append(unit(f))
+steps = [u for u in units if private(u) and calls_out[u]]
+helpers = [u for u in units if private(u) and not calls_out[u]]
+public = [u for u in units if not private(u)]
+print("== %s: %d steps; code ran in %d units (%d files): %d helpers, %d public headers"
+      % (call, len(steps), len(units), len(files), len(helpers), len(public)))
+for u in steps:
+    print("  step   %-44s -> %s" % (u, ", ".join(v.replace("mpipe/detail/", "") for v in sorted(calls_out[u]))))
+print("  helpers: " + ", ".join(u.replace("mpipe/detail/", "") for u in helpers))
+print("  public:  " + ", ".join(u.replace("mpipe/", "") for u in public))
+print("  entered again (not from the runtime): %d" % sum(bounces.values()))
 for (top, path, name), n in bounces.most_common():
     print("    %s -> %s (%s) x%d" % (top, path, name, n))
-print("  the runtime's callbacks into the call's files: %d" % sum(callbacks.values()))
+print("  the runtime's calls back into a file on the stack: %d" % sum(callbacks.values()))
 for (top, path, name), n in callbacks.most_common():
     print("    %s -> %s (%s) x%d" % (top, path, name, n))

@@ -9,7 +9,8 @@
 //   pipeline/time_step_calls-inl.h    constant_forward, sequence_forward,
 //                             constant_train_step: the same
 //   pipeline/session-inl.h    Call: any call's life, agreement across
-//                             processes, the executor run and its timeline
+//                             processes, the executor run and its timeline;
+//                             the checks the calls share
 //   pipeline/model_pipeline-inl.h  append, devices, moves, loads, reports
 //   runtime/                  the executor of per-stage programs and its parts
 //   distributed/, cuda/, precision/, snn/  the rest, by layer
