@@ -137,22 +137,27 @@ inline at::Tensor recompute_pop(const std::map<std::string, at::Tensor>& popped,
 // checkpointed: its outputs of every micro-batch feed the one loss, so it
 // would have to keep them all anyway.
 
-MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
-                                                const char*& phase) {
+MPIPE_FUNC void Executor::recompute(Run& run, int64_t j, int64_t i, const char*& phase,
+                                   bool split) {
   CallSpec& call = *run.call;
   const StagePlace& stage = place(j);
-  const int64_t first = i - call.time_chunks.chunk(i);
-  const int64_t end = first + call.time_chunks.per_micro_batch();
+  const bool last = j + 1 == n_total();
+  // A training step's micro-batch is one item; a time-step call's spans its
+  // time chunks (Note [Checkpointed time steps]).
+  const int64_t first = call.chained ? i - call.time_chunks.chunk(i) : i;
+  const int64_t end = call.chained ? first + call.time_chunks.per_micro_batch() : i + 1;
   auto& saved = run.saved[local(j)];
   StateSnapshot& before = saved[static_cast<size_t>(first)].state_before;
-  phase = call.time_chunks.pick("recompute of item", "recompute of time chunk",
-                                "recompute of time step");
+  phase = call.chained ? call.time_chunks.pick("recompute of item", "recompute of time chunk",
+                                               "recompute of time step")
+                       : "recompute of micro-batch";
+  // Run from the module state the forward started from (Note [State snapshots]).
   const RecomputedState state(before, before.empty() ? nullptr : &(*call.stateful)[local(j)]);
   RecomputeGuard recompute;
   for (int64_t q = first; q < end; ++q) {
     Run::Saved& s = saved[static_cast<size_t>(q)];
     TaskSpan span(call.recorder, j, q, TaskKind::Recompute, stage.device, stage.compute);
-    RngScope draws(run.rng, j, q);
+    RngScope draws(run.rng, j, q);  // the forward's draws again (Note [Random draws])
     SkipScope skips(
         [&](const std::string& name, at::Tensor t) { s.stashed[name] = std::move(t); },
         [&](const std::string& name) { return recompute_pop(s.popped, s.stashed, name); });
@@ -160,14 +165,22 @@ MPIPE_FUNC void Executor::recompute_micro_batch(Run& run, int64_t j, int64_t i,
     const uint64_t lo = ChunkNodes::now();
     try {
       s.outputs = (*run.forwards)[local(j)](s.inputs);
-    } catch (...) {  // named by the chunk that failed, not the backward's
+    } catch (...) {  // named by the item that failed, not the backward's
       throw DescribedFailure{describe_failure(call, phase, j, q)};
     }
     s.nodes = ChunkNodes{lo, ChunkNodes::now()};
     s.checkpointed = false;
+    if (last) {  // a checkpointed forward skipped the loss (Note [Training runtime])
+      phase = "loss of micro-batch";
+      at::Tensor loss = call.loss(q, s.outputs, s.targets);
+      call.losses[static_cast<size_t>(q)] = loss.detach();
+      s.outputs = {call.loss_scale != 1.0 ? loss * call.loss_scale : loss};
+    }
   }
-  phase = call.time_chunks.pick("backward of item", "backward of time chunk",
-                                "backward of time step");
+  phase = call.chained ? call.time_chunks.pick("backward of item", "backward of time chunk",
+                                               "backward of time step")
+          : split      ? "input gradient of micro-batch"
+                       : "backward of micro-batch";
 }
 
 MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const char*& phase,
@@ -181,35 +194,9 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
 
   c10::OptionalStreamGuard stream_guard(stage.compute);
   MicroBatchGuard micro_batch(call.micro_batch_of(i));
-  if (sv.checkpointed && call.chained) {
-    recompute_micro_batch(run, j, i, phase);  // Note [Checkpointed time steps]
-  }
-  Tensors roots = sv.outputs;
-  std::map<std::string, at::Tensor> stashed = sv.stashed;
-  if (sv.checkpointed) {
-    phase = "recompute of micro-batch";
-    TaskSpan span(call.recorder, j, i, TaskKind::Recompute, stage.device, stage.compute);
-    RngScope draws(run.rng, j, i);  // the forward's draws again (Note [Random draws])
-    // Run from the module state the forward started from (Note [State snapshots]).
-    const RecomputedState state(sv.state_before, sv.state_before.empty()
-                                                     ? nullptr
-                                                     : &(*call.stateful)[local(j)]);
-    RecomputeGuard recompute;
-    CastGradsGuard casts(run.cast_grads.empty() ? nullptr : run.cast_grads[local(j)].get());
-    SkipScope skips(
-        [&](const std::string& name, at::Tensor t) { stashed[name] = std::move(t); },
-        [&](const std::string& name) { return recompute_pop(sv.popped, stashed, name); });
-    Tensors out = (*run.forwards)[local(j)](sv.inputs);
-    if (last) {
-      phase = "loss of micro-batch";
-      at::Tensor loss = call.loss(i, out, sv.targets);
-      call.losses[static_cast<size_t>(i)] = loss.detach();
-      roots = {call.loss_scale != 1.0 ? loss * call.loss_scale : loss};
-    } else {
-      roots = std::move(out);
-    }
-  }
-  if (sv.checkpointed) phase = split ? "input gradient of micro-batch" : "backward of micro-batch";
+  if (sv.checkpointed) recompute(run, j, i, phase, split);  // Note [Checkpointed time steps]
+  const Tensors roots = sv.outputs;
+  const std::map<std::string, at::Tensor> stashed = sv.stashed;
   c10::optional<TaskSpan> span;  // ends before the hand-off, as in forward_action
   span.emplace(call.recorder, j, i, split ? TaskKind::BackwardInput : TaskKind::Backward,
                stage.device, stage.compute);

@@ -202,7 +202,7 @@ class Executor {
   void backward_action(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
   /// Chained calls: runs again every chunk of item `item`'s micro-batch that
   /// the stage checkpointed (Note [Checkpointed time steps] in backward_actions-inl.h).
-  void recompute_micro_batch(Run& run, int64_t stage, int64_t item, const char*& phase);
+  void recompute(Run& run, int64_t stage, int64_t item, const char*& phase, bool split);
   /// W(item): the gradients of the stage's weights from the graph I kept.
   void weight_action(Run& run, int64_t stage, int64_t item);
   /// Runs one action, catching its failure; false when the call has failed
