@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 
 using namespace mpipe_test;
 using mpipe::Checkpoint;
@@ -863,4 +864,54 @@ TEST(ClipGradNorm, EqualsClippingThePlainModelsGradients) {
   auto fresh = ModelPipeline();
   fresh->append(mlp_stage(4, 4), "cpu");
   EXPECT_EQ(mpipe::clip_grad_norm(*fresh, 1.0), 0.0);
+}
+
+namespace {
+/// The identity, recording the thread that runs its backward.
+struct RecordBackwardThread : torch::autograd::Function<RecordBackwardThread> {
+  static std::thread::id seen;
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    seen = std::this_thread::get_id();
+    return {grads[0]};
+  }
+};
+std::thread::id RecordBackwardThread::seen;
+}  // namespace
+
+// Both training steps end the same way: the inputs' gradients, whole, go on
+// through the caller's graph from the caller's thread after the call
+// (backward_through_caller), also where the stages ran on worker threads.
+TEST(TrainStepInputs, BothStepsRunTheCallersGraphOnTheCallersThread) {
+  torch::manual_seed(0);
+  ModelPipeline pipe(ModelPipelineOptions().worker_threads(true));
+  std::vector<torch::nn::Linear> fc;
+  for (int s = 0; s < 3; ++s) {
+    fc.emplace_back(4, 4);
+    pipe->append(fc.back(), "cpu");
+  }
+  const auto x0 = torch::randn({8, 4}, torch::requires_grad());
+  const auto y = torch::randn({8, 4});
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); };
+  auto plain = [&](const torch::Tensor& x) { return fc[2](fc[1](fc[0](x))); };
+  for (const bool constant : {false, true}) {
+    SCOPED_TRACE(constant ? "constant_train_step" : "train_step");
+    RecordBackwardThread::seen = std::thread::id();
+    x0.mutable_grad() = torch::Tensor();
+    const auto x = RecordBackwardThread::apply(x0);
+    if (constant) {
+      pipe->constant_train_step(x, 4, y, mse, /*time_chunk=*/1);
+    } else {
+      pipe->train_step(x, y, mse, TrainStepOptions(mpipe::chunks(4)));
+    }
+    EXPECT_EQ(RecordBackwardThread::seen, std::this_thread::get_id());
+    const auto got = x0.grad().clone();
+    x0.mutable_grad() = torch::Tensor();
+    const auto out = constant ? plain(x0) * 4 : plain(x0);  // 4 equal steps, summed
+    mse(out, y).backward();
+    EXPECT_TRUE(torch::allclose(got, x0.grad(), 1e-5, 1e-6)) << got << x0.grad();
+  }
 }

@@ -247,7 +247,7 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
     }
     at::Tensor loss = done.loss_sum;
     if (loss.defined()) record_on_current(loss);
-    std::vector<at::Tensor> roots, grads;  // the inputs' gradients, through the caller's graph
+    Tensors roots, grads;  // the inputs' gradients, each joined over the micro-batches
     for (size_t k = 0; k < caller->size(); ++k) {
       if (!requires_grad[k]) continue;
       const Input& x = (*caller)[k];
@@ -267,10 +267,7 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
       roots.push_back(x.tensor);
       grads.push_back(x.batched ? at::cat(parts, 0) : sum);
     }
-    if (!roots.empty()) {
-      NoAutocast no_autocast;  // the caller's graph: the engine's threads
-      torch::autograd::backward(roots, grads);
-    }
+    backward_through_caller(roots, grads);
     if (replicas) replicas->reduce(mean, loss);
     return loss.defined() ? Tensors{loss} : Tensors{};
   };

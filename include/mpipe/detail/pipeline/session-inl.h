@@ -23,6 +23,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 #include <string>
@@ -367,6 +368,19 @@ MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
 MPIPE_FUNC Tensors for_caller(Tensors out) {
   for (const auto& t : out) record_on_current(t);
   return out;
+}
+
+MPIPE_FUNC void backward_through_caller(const Tensors& inputs, const Tensors& grads) {
+  Tensors roots, sent;
+  for (size_t k = 0; k < inputs.size() && k < grads.size(); ++k) {
+    if (!grads[k].defined()) continue;
+    record_on_current(grads[k]);  // made on a stage's stream
+    roots.push_back(inputs[k]);
+    sent.push_back(grads[k].to(inputs[k].device()));
+  }
+  if (roots.empty()) return;
+  NoAutocast no_autocast;  // the caller's graph: the engine's threads
+  torch::autograd::backward(roots, sent);
 }
 
 }  // namespace detail

@@ -217,6 +217,11 @@ void check_schedule(const TrainStepOptions& step, int64_t n_stages);
 
 /// Results handed to the caller: usable on its current streams.
 Tensors for_caller(Tensors out);
+/// How both training steps end: the gradients of the caller's inputs
+/// (`grads[k]` for `inputs[k]`; undefined: none), after the executor's join,
+/// sent on through the caller's own graph from the caller's thread and
+/// streams, as one backward.
+void backward_through_caller(const Tensors& inputs, const Tensors& grads);
 
 }  // namespace detail
 }  // namespace mpipe

@@ -236,6 +236,7 @@ MPIPE_FUNC Plan constant_plan(const PipelineView& p, const CallInfo& info,
   // By micro-batch (Note [Checkpointed time steps] in runtime/backward_actions-inl.h).
   spec.checkpoint = p.training() ? p.options().checkpoint() : Checkpoint::Never;
   spec.stateful = &p.stages.stateful;
+  for (const auto& t : tensors) spec.input_requires_grad.push_back(t.defined() && t.requires_grad());
   if (y.defined()) spec.caller_tensors.push_back(y);
   spec.chain_loss = [outs, name, n_stages, loss_fn = *loss_fn, y] {  // on the last stage's stream
     return scalar_loss(loss_fn, for_caller(outs->results(name, n_stages - 1, false)), y);
@@ -245,10 +246,12 @@ MPIPE_FUNC Plan constant_plan(const PipelineView& p, const CallInfo& info,
   if (remote && remote->group().replicas() > 1) {
     replicas = std::make_shared<ReplicaGradients>(p.module.parameters(), *remote);
   }
-  plan.results = [remote, replicas](const CallSpec& done) -> Tensors {
+  plan.results = [remote, replicas, tensors](const CallSpec& done) -> Tensors {
     at::Tensor loss = done.loss_sum;
     if (remote && !remote->last()) loss = at::Tensor();
     if (loss.defined()) record_on_current(loss);  // the executor's join made it the caller's
+    // The last backward (item 0's) caught the inputs' gradients whole.
+    if (!tensors.empty()) backward_through_caller(tensors, done.input_grads[0]);
     if (replicas) replicas->reduce(/*mean=*/true, loss);
     return loss.defined() ? Tensors{loss} : Tensors{};
   };

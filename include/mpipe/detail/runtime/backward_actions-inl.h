@@ -49,24 +49,20 @@ namespace detail {
 // stage's backward, and the stages' host work proceeds in parallel, as their
 // forwards do. Each node still runs on the stream of its forward, so the GPU
 // sees the same work. LibTorch 1.x lacks the flag and keeps the engine's
-// threads (its CPU nodes already run on the calling thread). One backward
-// through stages on several devices (constant_train_step's) keeps the
-// engine's threads, one per device, which run those devices' nodes in
-// parallel; so does the caller's own graph upstream of the pipeline. Backward
-// always runs with autocast off (Note [Autocast in the pipeline]).
+// threads (its CPU nodes already run on the calling thread). The caller's
+// own graph upstream of the pipeline runs after the call, from the caller's
+// thread, on the engine's threads (backward_through_caller in
+// pipeline/session-inl.h). Backward always runs with autocast off (Note
+// [Autocast in the pipeline]).
 
 /// The scope every backward of the pipeline runs in.
 class BackwardScope {
  public:
-  /// `on_this_thread`: run the backward on this thread (LibTorch 2); else on
-  /// the engine's threads.
-  explicit BackwardScope(bool on_this_thread = true) {
+  BackwardScope() {
 #ifdef MPIPE_BACKWARD_ON_CALLER
     auto& state = c10::AutogradState::get_tls_state();
     previous_ = state.get_multithreading_enabled();
-    if (on_this_thread) state.set_multithreading_enabled(false);
-#else
-    (void)on_this_thread;
+    state.set_multithreading_enabled(false);  // this thread runs the backward
 #endif
   }
   ~BackwardScope() {
@@ -222,15 +218,27 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
   std::map<std::string, at::Tensor> popped_grads;
   BackwardScope backward_scope;  // Note [Backward on the worker's thread]
   if (call.chained) {  // Note [Chained backward]: chunk i's nodes, from the last chunk down
-    // Stage 0's inputs are the caller's tensors (kept only for a recompute):
-    // their gradients go on through the caller's graph.
-    Tensors leaves = j > 0 ? sv.inputs : Tensors();
-    if (j == 0) input_grads.clear();
+    // Stage 0's inputs are the caller's tensors, which every chunk reads:
+    // the last backward (chunk 0's) catches their gradients whole.
+    Tensors leaves;
+    std::vector<size_t> input_of;  // stage 0: the caller's input each leaf is
+    if (j == 0) {
+      input_grads.assign(call.input_requires_grad.size(), at::Tensor());
+      for (size_t k = 0; k < call.input_requires_grad.size(); ++k) {
+        if (!call.input_requires_grad[k]) continue;
+        leaves.push_back(call.caller_tensors[k]);
+        input_of.push_back(k);
+      }
+    } else {
+      leaves = sv.inputs;
+      for (size_t k = 0; k < leaves.size(); ++k) input_of.push_back(k);
+    }
+    const size_t n_in = leaves.size();
     for (const auto& p : sv.popped) leaves.push_back(p.second);
     const Tensors got = run.chains[local(j)].backward(r, g, sv.nodes, leaves,
-                                                      /*final=*/i == 0, run.stops);
-    const size_t n_in = j > 0 ? sv.inputs.size() : 0;
-    for (size_t k = 0; k < n_in; ++k) input_grads[k] = got[k];
+                                                      /*final=*/i == 0, run.stops,
+                                                      /*caller_leaves=*/j == 0 ? n_in : 0);
+    for (size_t k = 0; k < n_in; ++k) input_grads[input_of[k]] = got[k];
     size_t at = n_in;
     for (const auto& p : sv.popped) popped_grads[p.first] = got[at++];
   } else if (!split) {

@@ -109,7 +109,11 @@ struct TimeChunks {
 // carried to the stage's next backward, where it enters as a root beside
 // that chunk's own. A carried edge whose node is not in that chunk is caught
 // again, with the chunk's contributions added. The last backward of the
-// stage (chunk 0) runs everything left, accumulating into .grad.
+// stage (chunk 0) runs everything left, accumulating into .grad, except the
+// caller's graph: on stage 0 it catches the gradients of the caller's
+// inputs, whole, and the step hands them to the caller's graph on the
+// caller's thread after the call, as train_step does (backward_through_caller
+// in pipeline/session-inl.h).
 //
 // This computes what one backward of the whole graph computes, in the same
 // order of additions: the engine runs a thread's nodes newest first, so in
@@ -151,10 +155,15 @@ class ChunkChain {
   /// Returns the gradients of `leaves` (undefined where none reached them).
   /// `final`: the stage's last backward, which runs everything left.
   /// `stops`: nodes never counted in a chunk (the caller's inputs').
+  /// The first `caller_leaves` leaves are the caller's inputs, which every
+  /// chunk reads: their gradients are carried like any other edge's, and the
+  /// final backward catches them whole, so that the caller's own graph runs
+  /// on the caller's thread after the call (Note [Chained backward]).
   std::vector<at::Tensor> backward(const std::vector<at::Tensor>& roots,
                                    const std::vector<at::Tensor>& grads, ChunkNodes nodes,
                                    const std::vector<at::Tensor>& leaves, bool final,
-                                   const std::set<const torch::autograd::Node*>& stops) {
+                                   const std::set<const torch::autograd::Node*>& stops,
+                                   size_t caller_leaves = 0) {
     using torch::autograd::Edge;
     torch::autograd::edge_list root_edges;
     torch::autograd::variable_list root_grads;
@@ -170,7 +179,7 @@ class ChunkChain {
     std::vector<at::Tensor> out(leaves.size());
     if (root_edges.empty()) return out;
     auto& engine = torch::autograd::Engine::get_default_engine();
-    if (final) {
+    if (final && caller_leaves == 0) {
       engine.execute(root_edges, root_grads, /*keep_graph=*/false, /*create_graph=*/false,
                      /*accumulate_grad=*/true);
       for (size_t k = 0; k < leaves.size(); ++k) {
@@ -178,9 +187,15 @@ class ChunkChain {
       }
       return out;
     }
-    // Every edge that leaves the chunk's nodes now ends in a Catch. The
-    // nodes run once, in this backward, so nothing needs them as they were.
+    // Every edge that leaves the chunk's nodes now ends in a Catch (in the
+    // final backward, only those into the caller's inputs). The nodes run
+    // once, in this backward, so nothing needs them as they were.
+    std::set<const torch::autograd::Node*> callers;
+    for (size_t k = 0; k < caller_leaves; ++k) {
+      callers.insert(torch::autograd::impl::gradient_edge(leaves[k]).function.get());
+    }
     auto inside = [&](const torch::autograd::Node* n) {
+      if (final) return callers.count(n) == 0;
       const uint64_t s = n->sequence_nr();
       return s >= nodes.lo && s < nodes.hi && stops.count(n) == 0;
     };
@@ -214,6 +229,11 @@ class ChunkChain {
     std::vector<bool> taken(caught.size(), false);
     for (size_t k = 0; k < leaves.size(); ++k) {
       if (!leaves[k].defined() || !leaves[k].requires_grad()) continue;
+      if (final && k >= caller_leaves) {  // accumulated into .grad
+        out[k] = leaves[k].grad();
+        continue;
+      }
+      if (!final && k < caller_leaves) continue;  // carried with the rest
       const Edge e = torch::autograd::impl::gradient_edge(leaves[k]);
       const auto it = index.find(std::make_pair(e.function.get(), e.input_nr));
       if (it == index.end()) continue;
