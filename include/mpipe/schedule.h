@@ -91,7 +91,9 @@ enum class OpKind {
 struct Op {
   /// Forward, full backward, or one half of a split backward.
   OpKind kind;
-  /// The micro-batch (or time chunk) it works on.
+  /// The micro-batch it works on. (The programs a user writes are
+  /// train_step's, whose items are micro-batches; the runtime's own programs
+  /// for constant_train_step number time chunks here.)
   int64_t micro_batch;
   /// The stage it runs.
   int64_t stage;
