@@ -915,3 +915,41 @@ TEST(TrainStepInputs, BothStepsRunTheCallersGraphOnTheCallersThread) {
     EXPECT_TRUE(torch::allclose(got, x0.grad(), 1e-5, 1e-6)) << got << x0.grad();
   }
 }
+
+namespace {
+/// fc(a) + 2 b: a stage of two inputs.
+struct TwoInputsImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  TwoInputsImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor a, torch::Tensor b) { return fc(a) + 2 * b; }
+};
+TORCH_MODULE(TwoInputs);
+}  // namespace
+
+// One tensor given as two inputs gets its gradient once, through both uses,
+// in both training steps (constant_train_step's last backward catches it
+// once).
+TEST(TrainStepInputs, ATensorGivenTwiceGetsItsGradientOnce) {
+  torch::manual_seed(0);
+  TwoInputs first;
+  torch::nn::Linear second(4, 4);
+  ModelPipeline pipe;
+  pipe->append(first, "cpu").append(second, "cpu");
+  const auto x = torch::randn({6, 4}, torch::requires_grad());
+  const auto y = torch::randn({6, 4});
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); };
+  for (const bool constant : {false, true}) {
+    SCOPED_TRACE(constant ? "constant_train_step" : "train_step");
+    x.mutable_grad() = torch::Tensor();
+    if (constant) {
+      pipe->constant_train_step({x, x}, 3, y, mse);
+    } else {
+      pipe->train_step({x, x}, y, mse, TrainStepOptions(2));
+    }
+    const auto got = x.grad().clone();
+    x.mutable_grad() = torch::Tensor();
+    const auto out = second(first(x, x));
+    mse(constant ? out * 3 : out, y).backward();
+    EXPECT_TRUE(torch::allclose(got, x.grad(), 1e-5, 1e-6)) << got << x.grad();
+  }
+}

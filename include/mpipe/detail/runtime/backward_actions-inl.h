@@ -25,6 +25,7 @@
 #include <torch/version.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -224,8 +225,11 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
     std::vector<size_t> input_of;  // stage 0: the caller's input each leaf is
     if (j == 0) {
       input_grads.assign(call.input_requires_grad.size(), at::Tensor());
+      std::set<std::pair<const torch::autograd::Node*, uint32_t>> seen;  // an input given twice: once
       for (size_t k = 0; k < call.input_requires_grad.size(); ++k) {
         if (!call.input_requires_grad[k]) continue;
+        const auto e = torch::autograd::impl::gradient_edge(call.caller_tensors[k]);
+        if (!seen.emplace(e.function.get(), e.input_nr).second) continue;
         leaves.push_back(call.caller_tensors[k]);
         input_of.push_back(k);
       }
