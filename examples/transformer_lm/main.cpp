@@ -8,7 +8,8 @@
 // The layers are split into 4 stages (8 with --schedule interleaved), by a
 // profile of each layer's time in one process, by their FLOPs across
 // processes, or as --balance gives them. --plain trains the same layers as
-// one module with the same recipe, for comparison.
+// one module with the same recipe (the same micro-batches, their gradients
+// accumulated), for comparison.
 
 #include "training.h"
 
@@ -615,9 +616,17 @@ int run(Config c) {
     {
       const auto precision = precision_scope(c, m.in_device);
       if (c.plain) {
-        loss = lm_loss(m.plain->forward(x), y);
-        loss.backward();
-        loss = loss.detach();
+        // As train_step does: each micro-batch's mean loss weighted by its
+        // share of the rows, its gradients accumulated (--micro-batches 1:
+        // the whole batch at once).
+        loss = torch::zeros({}, torch::TensorOptions(m.out_device));
+        const auto xs = x.chunk(c.micro_batches), ys = y.chunk(c.micro_batches);
+        for (size_t i = 0; i < xs.size(); ++i) {
+          const double share = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
+          const auto part = lm_loss(m.plain->forward(xs[i]), ys[i]) * share;
+          part.backward();
+          loss += part.detach();
+        }
       } else {
         loss = m.pipe->train_step(x, y, lm_loss, options);
       }
@@ -734,7 +743,9 @@ int main(int argc, char** argv) {
   app.add_option("--balance", c.balance, "layers per stage, e.g. 2,2,2,2 (default auto: by a "
                  "profile in one process, by FLOPs across processes)");
   app.add_option("--precision", c.precision, "bf16 (autocast, the default on a GPU) or fp32");
-  app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline)");
+  app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline), "
+               "accumulating gradients over the --micro-batches as the pipeline does "
+               "(--micro-batches 1: the whole batch at once)");
   app.add_flag("--resume", c.resume, "continue from the weights and step saved in --out");
   app.add_option("--eval-every", c.eval_every, "validate and save every N steps (default: every epoch)");
   app.add_option("--val-chars", c.val_chars, "validate on the first N characters of the validation "
