@@ -29,6 +29,12 @@ class GraphPolicy {
 
   GraphPolicy() : cache_(make_graph_cache()) {}
 
+  /// The policy's first test, cheap enough for every call: false when call()
+  /// or step() would surely say no (a CPU input; a step without
+  /// options.cuda_graphs), so that the caller builds no key for them.
+  static bool may_replay(const ModelPipelineOptions& options, const at::Tensor& x, bool step) {
+    return x.is_cuda() && (!step || options.cuda_graphs());
+  }
   /// A no-grad call of one tensor `x` of `pipeline`: replayed from a CUDA
   /// graph (ModelPipelineOptions::cuda_graphs), or run as Note [Automatic
   /// CUDA graphs] decides (auto_cuda_graphs). Undefined when the call runs

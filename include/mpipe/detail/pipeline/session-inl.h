@@ -109,10 +109,7 @@ MPIPE_FUNC bool Call::describes() const {
 
 MPIPE_FUNC at::Tensor Call::replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info,
                                    bool step, const GraphPolicy::EagerStep& eager) {
-  // The policy's first tests, here so that a call that cannot replay builds
-  // no key: only a CUDA input in one process replays, a step only with
-  // options.cuda_graphs (the policy tests the rest).
-  if (remote_ || !x.is_cuda() || (step && !parts_.self.options.cuda_graphs())) return {};
+  if (remote_ || !GraphPolicy::may_replay(parts_.self.options, x, step)) return {};  // one process
   const GraphKey key = key_of(method_, info, x, y, parts_.self.is_training());
   if (step) return parts_.graphs.step(parts_.self, parts_.stages, key, x, y, eager);
   return parts_.graphs.call(parts_.self, parts_.stages, key, x,
