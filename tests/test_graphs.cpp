@@ -332,39 +332,56 @@ TEST(CudaGraphs, GraphedTrainStepKeepsDeferredBatchNormStatisticsLikeEager_CUDA)
   EXPECT_EQ(bn_graphed->num_batches_tracked.item<int64_t>(), 5);
 }
 
-// Note [Graphs or summed casts]: under autocast, a step with mpipe::Linear
-// stages sums its cast weights' gradients eagerly, which beats a replay; with
-// accumulate_cast_grads off it is captured and replayed as any other.
-TEST(CudaGraphs, StepsThatSumCastGradientsRunEagerly_CUDA) {
+// Under autocast with mpipe::Linear a step sums its cast weights' gradients
+// per step (Note [Cast gradients per step]); a graphed step does the same
+// device work, so its replays give the eager step's loss and gradients bit
+// for bit, with the option on and off.
+TEST(CudaGraphs, StepsThatSumCastGradientsAreReplayedWithEagerResults_CUDA) {
   MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
   for (bool sum_casts : {true, false}) {
     SCOPED_TRACE(sum_casts ? "accumulate_cast_grads" : "accumulate_cast_grads(false)");
     torch::manual_seed(4);
     HostCalls host;
-    auto pipe = ModelPipeline(
+    auto eager = ModelPipeline(
+        ModelPipelineOptions().auto_cuda_graphs(false).accumulate_cast_grads(sum_casts));
+    auto graphed = ModelPipeline(
         ModelPipelineOptions().cuda_graphs(true).accumulate_cast_grads(sum_casts));
-    pipe->append(torch::nn::Sequential(host, mpipe::Linear(16, 16), torch::nn::ReLU()), "cuda:0")
-        .append(torch::nn::Sequential(mpipe::Linear(16, 4)), "cuda:0");
-    auto x = torch::randn({8, 16}, torch::Device("cuda:0"));
-    auto y = torch::randn({8, 4}, torch::Device("cuda:0"));
+    const std::vector<torch::nn::Sequential> stages = {
+        torch::nn::Sequential(mpipe::Linear(16, 32), torch::nn::ReLU()),
+        torch::nn::Sequential(mpipe::Linear(32, 32), torch::nn::ReLU()),
+        torch::nn::Sequential(mpipe::Linear(32, 4))};
+    for (size_t i = 0; i < stages.size(); ++i) {
+      auto c = copy_of(stages[i]);
+      if (i == 0) c->push_back(host);
+      eager->append(stages[i], g);
+      graphed->append(c, g);
+    }
+    torch::optim::SGD opt_eager(eager->parameters(), 0.1), opt_graphed(graphed->parameters(), 0.1);
     auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
       return torch::mse_loss(o.to(torch::kFloat), t);
     };
     std::vector<int64_t> calls;
-    for (int step = 0; step < 4; ++step) {
-      mpipe::AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+    for (int step = 0; step < 5; ++step) {
+      const std::string what = "step " + std::to_string(step);
+      auto x = torch::randn({8, 16}, g), y = torch::randn({8, 4}, g);
+      prepare_grads(*eager, step);
+      prepare_grads(*graphed, step);
       calls.push_back(host->calls);
-      EXPECT_TRUE(torch::isfinite(pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(4)))
-                      .item<bool>());
+      torch::Tensor want, got;
+      {
+        mpipe::AutocastGuard bf16(torch::kCUDA, torch::kBFloat16);
+        want = eager->train_step(x, y, loss_fn, mpipe::TrainStepOptions(4));
+        got = graphed->train_step(x, y, loss_fn, mpipe::TrainStepOptions(4));
+      }
+      expect_close(got, want, 0, what + ": loss");
+      expect_same_grads(grads_of(*graphed), grads_of(*eager), 0);
+      opt_eager.step();
+      opt_graphed.step();
     }
     calls.push_back(host->calls);
-    if (sum_casts) {
-      EXPECT_EQ(pipe->cuda_graphs_captured(), 0u);
-      EXPECT_GT(calls[4], calls[3]) << "the fourth step ran eagerly";
-    } else {
-      EXPECT_EQ(pipe->cuda_graphs_captured(), 1u);
-      EXPECT_EQ(calls[4], calls[2]) << "steps 3 and 4 are replays";
-    }
+    EXPECT_EQ(graphed->cuda_graphs_captured(), 1u);
+    EXPECT_EQ(calls[5], calls[2]) << "steps 2 to 4 are replays";
   }
 }
 
@@ -545,4 +562,212 @@ TEST(AutoCudaGraphs, AStageWithBuffersInTrainingModeRunsEagerly_CUDA) {
     expect_close(got, want, 1e-5, "batch statistics, call " + std::to_string(call));
   }
   EXPECT_EQ(pipe->cuda_graphs_captured(), 1u) << "no graph of the training-mode stage";
+}
+
+// Note [Automatic graphs of training steps] ------------------------------------
+
+namespace {
+
+/// Two pipelines of equal stages on `g`: default options (automatic graphs)
+/// and automatic graphs off; the first's stage 0 ends in `host`.
+std::pair<ModelPipeline, ModelPipeline> auto_and_eager(const std::vector<torch::nn::Sequential>& stages,
+                                                       const torch::Device& g, HostCalls host) {
+  auto automatic = ModelPipeline();
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
+  for (size_t i = 0; i < stages.size(); ++i) {
+    auto c = copy_of(stages[i]);
+    if (i == 0) c->push_back(host);
+    automatic->append(c, g);
+    eager->append(stages[i], g);
+  }
+  return {automatic, eager};
+}
+
+}  // namespace
+
+// With default options a repeated training step is captured at its fourth
+// call (two eager runs, the warm-up, the capture) and replayed from then on,
+// with the eager step's loss and gradients bit for bit: fp32, and bf16
+// autocast with mpipe::Linear summing its cast gradients; every schedule.
+TEST(AutoCudaGraphs, RepeatedTrainingStepsAreReplayedWithEagerResults_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  for (bool bf16 : {false, true}) {
+    for (auto schedule : all_schedules()) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16, " : "fp32, ") + schedule_name(schedule));
+      torch::manual_seed(27);
+      std::vector<torch::nn::Sequential> stages;
+      for (int i = 0; i < 3; ++i) {
+        if (bf16) {
+          stages.emplace_back(mpipe::Linear(16, 16), torch::nn::GELU());
+        } else {
+          stages.push_back(mlp_stage(16, 16));
+        }
+      }
+      HostCalls host;
+      auto pipes = auto_and_eager(stages, g, host);
+      auto& automatic = pipes.first;
+      auto& eager = pipes.second;
+      torch::optim::SGD opt_auto(automatic->parameters(), 0.1), opt_eager(eager->parameters(), 0.1);
+      auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return torch::mse_loss(o.to(torch::kFloat), t);
+      };
+      const auto options = schedule_options(schedule, 4, 3);
+      std::vector<int64_t> calls;
+      for (int step = 0; step < 7; ++step) {
+        const std::string what = "step " + std::to_string(step);
+        auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+        prepare_grads(*automatic, step);
+        prepare_grads(*eager, step);
+        calls.push_back(host->calls);
+        torch::Tensor got, want;
+        {
+          c10::optional<mpipe::AutocastGuard> cast;
+          if (bf16) cast.emplace(torch::kCUDA, torch::kBFloat16);
+          got = automatic->train_step(x, t, loss_fn, options);
+          want = eager->train_step(x, t, loss_fn, options);
+        }
+        expect_close(got, want, 0, what + ": loss");
+        expect_same_grads(grads_of(*automatic), grads_of(*eager), 0);
+        EXPECT_EQ(automatic->cuda_graphs_captured(), step >= 3 ? 1u : 0u) << what;
+        opt_auto.step();
+        opt_eager.step();
+      }
+      calls.push_back(host->calls);
+      for (int step = 0; step < 4; ++step) {
+        EXPECT_EQ(calls[step + 1] - calls[step], 4) << "step " << step << " ran its host code";
+      }
+      EXPECT_EQ(calls[7], calls[4]) << "steps 4 to 6 are replays";
+      // Another loss function is another graph: its first steps run eagerly.
+      auto other = [](const torch::Tensor& o, const torch::Tensor& t) {
+        return (o.to(torch::kFloat) - t).abs().mean();
+      };
+      const int64_t before = host->calls;
+      auto x = torch::randn({12, 16}, g), t = torch::randn({12, 16}, g);
+      {
+        c10::optional<mpipe::AutocastGuard> cast;
+        if (bf16) cast.emplace(torch::kCUDA, torch::kBFloat16);
+        expect_close(automatic->train_step(x, t, other, options),
+                     eager->train_step(x, t, other, options), 0, "another loss");
+      }
+      EXPECT_EQ(host->calls - before, 4) << "another loss function ran eagerly";
+    }
+  }
+}
+
+// constant_train_step starts and ends from reset state, so stateful neurons
+// do not keep it from being replayed.
+TEST(AutoCudaGraphs, ConstantTrainStepsOfNeuronsAreReplayedWithEagerResults_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(28);
+  auto automatic = ModelPipeline();
+  auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
+  HostCalls host;
+  for (int i = 0; i < 3; ++i) {
+    torch::nn::Linear fc(32, 32);
+    {
+      torch::NoGradGuard no_grad;  // strong enough that every layer fires
+      fc->weight.mul_(3);
+      fc->bias.fill_(1.2);
+    }
+    auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
+    eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
+    torch::nn::Sequential s{torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()};
+    if (i == 0) s->push_back(host);
+    automatic->append(s, g);
+  }
+  torch::optim::SGD opt_auto(automatic->parameters(), 0.05), opt_eager(eager->parameters(), 0.05);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& labels) {
+    return torch::cross_entropy_loss(out / 6, labels);
+  };
+  std::vector<int64_t> calls;
+  for (int step = 0; step < 6; ++step) {
+    auto x = torch::rand({8, 32}, g) * 2;
+    auto labels = torch::randint(0, 32, {8}, torch::TensorOptions(g).dtype(torch::kLong));
+    zero_grads(*automatic);
+    zero_grads(*eager);
+    calls.push_back(host->calls);
+    expect_close(automatic->constant_train_step(x, 6, labels, loss_fn),
+                 eager->constant_train_step(x, 6, labels, loss_fn), 0,
+                 "step " + std::to_string(step) + ": loss");
+    expect_same_grads(grads_of(*automatic), grads_of(*eager), 0);
+    opt_auto.step();
+    opt_eager.step();
+  }
+  calls.push_back(host->calls);
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 1u);
+  EXPECT_EQ(calls[4] - calls[3], 6) << "step 3 captured (T = 6)";
+  EXPECT_EQ(calls[6], calls[4]) << "steps 4 and 5 are replays";
+}
+
+// Steps a replay could not repeat exactly stay eager: dropout draws, stateful
+// modules in train_step, checkpointing, an input that needs its gradient. A
+// gradient the caller kept from a replayed step is never written over: the
+// key runs eagerly from then on.
+TEST(AutoCudaGraphs, StepsThatCannotBeReplayedExactlyStayEager_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device g("cuda:0");
+  torch::manual_seed(29);
+  const auto x = torch::randn({8, 16}, g), t = torch::randn({8, 16}, g);
+  {  // Dropout in training mode.
+    auto pipe = ModelPipeline();
+    pipe->append(mlp_stage(16, 16), g)
+        .append(torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::Dropout(0.5)), g);
+    for (int step = 0; step < 6; ++step) pipe->train_step(x, t, mse, mpipe::TrainStepOptions(2));
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 0u) << "a step that draws";
+  }
+  {  // A stateful module in train_step: its state carries on, as without graphs.
+    auto pipe = ModelPipeline();
+    pipe->append(mlp_stage(16, 16), g).append(Leaky(16), g);
+    for (int step = 0; step < 6; ++step) {
+      mpipe::reset_states(*pipe);  // no state held when the step starts
+      pipe->train_step(x, t, mse, mpipe::TrainStepOptions(2));
+    }
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 0u) << "a stateful module";
+  }
+  {  // Checkpointing, and an input that requires grad.
+    auto pipe = ModelPipeline(ModelPipelineOptions().checkpoint(mpipe::Checkpoint::Always));
+    pipe->append(mlp_stage(16, 16), g).append(mlp_stage(16, 16), g);
+    for (int step = 0; step < 6; ++step) pipe->train_step(x, t, mse, mpipe::TrainStepOptions(2));
+    EXPECT_EQ(pipe->cuda_graphs_captured(), 0u) << "checkpointing";
+    auto plain = ModelPipeline();
+    plain->append(mlp_stage(16, 16), g).append(mlp_stage(16, 16), g);
+    const auto xg = x.clone().requires_grad_();
+    for (int step = 0; step < 6; ++step) plain->train_step(xg, t, mse, mpipe::TrainStepOptions(2));
+    EXPECT_EQ(plain->cuda_graphs_captured(), 0u) << "an input that needs its gradient";
+    EXPECT_TRUE(xg.grad().defined());
+  }
+  {  // A kept gradient.
+    HostCalls host;
+    auto pipes = auto_and_eager({mlp_stage(16, 16), mlp_stage(16, 16)}, g, host);
+    auto& automatic = pipes.first;
+    auto& eager = pipes.second;
+    for (int step = 0; step < 5; ++step) {
+      zero_grads(*automatic);
+      zero_grads(*eager);
+      automatic->train_step(x, t, mse, mpipe::TrainStepOptions(2));
+      eager->train_step(x, t, mse, mpipe::TrainStepOptions(2));
+    }
+    ASSERT_EQ(automatic->cuda_graphs_captured(), 1u);
+    std::vector<torch::Tensor> kept, copies;
+    for (const auto& p : automatic->parameters()) {
+      kept.push_back(p.grad());
+      copies.push_back(p.grad().clone());
+    }
+    for (int step = 0; step < 2; ++step) {
+      zero_grads(*automatic);
+      zero_grads(*eager);
+      const int64_t before = host->calls;
+      const auto x2 = torch::randn({8, 16}, g);
+      expect_close(automatic->train_step(x2, t, mse, mpipe::TrainStepOptions(2)),
+                   eager->train_step(x2, t, mse, mpipe::TrainStepOptions(2)), 0, "after keeping");
+      expect_same_grads(grads_of(*automatic), grads_of(*eager), 0);
+      EXPECT_EQ(host->calls - before, 2) << "step " << step << " after keeping ran eagerly";
+    }
+    for (size_t k = 0; k < kept.size(); ++k) {
+      EXPECT_TRUE(torch::equal(kept[k], copies[k])) << "the kept gradient " << k << " is unchanged";
+    }
+    EXPECT_EQ(automatic->cuda_graphs_captured(), 0u);
+  }
 }

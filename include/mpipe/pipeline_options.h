@@ -47,27 +47,34 @@ struct ModelPipelineOptions {
   /// and replay them (one graph per method, arguments and input shape).
   /// Stateful modules then start every graphed call from their reset state
   /// and are reset after it. Needs a CUDA build of LibTorch; elsewhere, or
-  /// when a call does not qualify, the call runs as usual. A training step
-  /// under autocast whose stages hold mpipe::Linear layers runs eagerly while
-  /// accumulate_cast_grads is on: its summed cast gradients save more than a
-  /// replay does (Note [Graphs or summed casts]). See Notes [CUDA graphs] and
-  /// [Graphed training steps].
+  /// when a call does not qualify, the call runs as usual. See Notes [CUDA
+  /// graphs] and [Graphed training steps].
   TORCH_ARG(bool, cuda_graphs) = false;
-  /// Replay repeated inference calls from CUDA graphs, with no flag to set: a
-  /// single-tensor forward (or constant_forward, sequence_forward) under
-  /// NoGradGuard or InferenceMode, whose stages and input share one CUDA
-  /// device and hold no stateful module (nor a module with buffers in training
-  /// mode, such as BatchNorm updating its statistics), is captured
-  /// the third time the same call (split, input shape and dtype, module mode,
-  /// autocast state) comes, unless its earlier runs drew random numbers, and
-  /// replayed after that, with the same results. A capture that fails falls
+  /// Replay repeated calls from CUDA graphs, with no flag to set, where a
+  /// replay gives the eager call's results bit for bit, on one CUDA device
+  /// holding every stage and the input, in one process:
+  ///  - a single-tensor forward (or constant_forward, sequence_forward) under
+  ///    NoGradGuard or InferenceMode with no stateful module (nor a module
+  ///    with buffers in training mode, such as BatchNorm updating its
+  ///    statistics), captured the third time the same call (split, input
+  ///    shape and dtype, module mode, autocast state) comes;
+  ///  - a train_step (no stateful module) or constant_train_step whose input
+  ///    needs no gradient, with no checkpointing, a loss scale of 1 and no
+  ///    given programs, captured the fourth time the same step (and the same
+  ///    loss function type) comes; gradients accumulate into .grad as eager
+  ///    steps' do.
+  /// Not when the earlier runs drew random numbers (dropout), nor while the
+  /// caching allocator holds more than half the device's memory (a graph
+  /// keeps its activations' memory reserved). A capture that fails falls
   /// back to eager calls, and a graph whose parameters or buffers were moved
-  /// to new storage is captured again. At most 4 such graphs are held; each
-  /// keeps its activations' memory reserved (clear_cuda_graphs frees them).
-  /// Turn it off for a stage whose forward depends on host state that changes
-  /// between calls (a counter, a flag, a scalar member): a replay repeats the
-  /// device work of its capture. No effect with cuda_graphs, which graphs more
-  /// call kinds. See Note [Automatic CUDA graphs].
+  /// to new storage is captured again. At most 4 such graphs are held
+  /// (clear_cuda_graphs frees them). Turn it off for a stage or a loss
+  /// function that depends on host state changing between calls (a counter,
+  /// a flag, a scalar member, a value a lambda captured by reference): a
+  /// replay repeats the device work of its capture. No effect with
+  /// cuda_graphs, which captures qualifying calls without these extra rules.
+  /// See Notes [Automatic CUDA graphs] and [Automatic graphs of training
+  /// steps].
   TORCH_ARG(bool, auto_cuda_graphs) = true;
   /// forward() on CUDA: each stage spreads its micro-batches over this many
   /// streams (micro-batch i on lane i % lanes), so up to `lanes` micro-batches
@@ -89,9 +96,8 @@ struct ModelPipelineOptions {
   /// addition per weight and micro-batch (a quarter of a bf16 wide-MLP step).
   /// Off: each micro-batch's gradient is converted and added on its own, as
   /// in a plain gradient-accumulation loop (more precise sums, slower). Hooks
-  /// on such a weight do not see the per-step sum. With cuda_graphs, such steps
-  /// run eagerly (Note [Graphs or summed casts]); set this off to have them
-  /// replayed instead. See Note [Cast gradients per step].
+  /// on such a weight do not see the per-step sum. Graphed steps sum the same
+  /// way. See Note [Cast gradients per step].
   TORCH_ARG(bool, accumulate_cast_grads) = true;
   /// How the stages take time in constant_forward, sequence_forward and
   /// constant_train_step. Single (the default): one time step per stage

@@ -4,8 +4,8 @@
 
 // The pipeline's CUDA-graph policy: which calls may run from a graph (one
 // device, no grad, no stage holding state, no timeline), the cache's key,
-// automatic capture of repeated calls (Note [Automatic CUDA graphs]), and
-// training steps graphed or eager (Note [Graphs or summed casts]). The
+// automatic capture of repeated calls (Note [Automatic CUDA graphs]) and
+// training steps (Note [Automatic graphs of training steps]). The
 // graphs themselves are cuda/graphs.h's.
 
 #include "mpipe/detail/cuda/graph_policy.h"
@@ -157,10 +157,10 @@ MPIPE_FUNC at::Tensor GraphPolicy::auto_graphed(ModelPipelineImpl& pipeline, con
     as_eager_draws();
     return replay(pipeline, k, watched, x, eager);
   }
-  if (auto_graphs_.size() >= 256 && auto_graphs_.count(k) == 0) auto_graphs_.clear();  // many shapes
-  AutoGraph& seen = auto_graphs_[k];
+  AutoGraph& seen = this->seen(k);
   if (held == Held::Moved && ++seen.moved > kAutoMoves) seen.refused = true;
-  if (!seen.refused && seen.eager_runs >= kAutoEagerRuns && graphs_held(*cache_) < kMaxAutoGraphs) {
+  if (!seen.refused && seen.eager_runs >= kAutoEagerRuns && graphs_held(*cache_) < kMaxAutoGraphs &&
+      room_for_capture(x.device())) {
     try {
       at::Tensor out = replay(pipeline, k, watched, x, eager);
       if (out.defined()) {
@@ -178,30 +178,63 @@ MPIPE_FUNC at::Tensor GraphPolicy::auto_graphed(ModelPipelineImpl& pipeline, con
   return out;
 }
 
-// Note [Graphs or summed casts]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A graphed training step keeps autograd's way with cast weights: every
-// micro-batch converts its weight gradient to float32 and adds it on its own
-// (the per-step sum of Note [Cast gradients per step] is not captured). Under
-// autocast with mpipe::Linear stages, the eager step sums them in bf16
-// instead, and that saves more than a replay does: measured on an H200,
-// wide-mlp-bf16-linear's graphed step took 60.6 ms against 49.3 ms eager
-// (issue 33). So such a step runs eagerly, cuda_graphs or not (46.38 against
-// 46.36 ms after, bench/RESULTS.md), unless accumulate_cast_grads is off.
-MPIPE_FUNC bool casts_beat_graphs(const ModelPipelineImpl& pipeline, const Stages& stages,
-                                  const at::Tensor& x) {
-  if (!pipeline.options.accumulate_cast_grads() || !stages.cast_linears) return false;
-  const auto autocast = AutocastState::current();
-  return x.is_cuda() ? autocast.cuda : autocast.cpu;
+// Note [Automatic graphs of training steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Training steps of small stages are bound by the host's launches as much as
+// inference calls are (snn-1024's single-step constant_train_step: 18-37 ms
+// eager, 7.4 ms replayed, bench/RESULTS.md), so auto_cuda_graphs captures
+// train_step and constant_train_step too, where a replay gives the eager
+// step's results bit for bit (the same kernels in the same order on the same
+// streams, gradients accumulated into static .grad tensors as Note [Graphed
+// training steps] describes):
+//  - the rules of Note [Automatic CUDA graphs] (one CUDA device, one process,
+//    no timeline or memory tracking, no random draws in the eager runs, at
+//    most kMaxAutoGraphs graphs, parameters moved at most kAutoMoves times);
+//  - those of a graphed step: the input needs no gradient, nothing is
+//    checkpointed, the loss scale is 1, no programs are given;
+//  - train_step: no stateful module at all (an eager step carries state on);
+//    constant_train_step starts and ends from reset state either way;
+//  - the key holds the loss function's type (and a plain function's
+//    address): another loss is another graph. What a lambda captured is not
+//    seen: a loss that reads host values changing between steps needs
+//    auto_cuda_graphs(false), as does a stage that reads host state;
+//  - the caching allocator holds at most half the device's memory when the
+//    capture starts (room_for_capture): a graph keeps its own copy of the
+//    step's activations, which eager work after it (the optimizer) cannot use.
+// The key runs eagerly twice (worker threads as configured), then once more
+// inline (the warm-up of run_graphed_step), is captured at its fourth call
+// and replayed from then on. A capture that fails runs that step eagerly,
+// and its key stays eager. Steps under autocast with mpipe::Linear keep their
+// per-step sums of cast gradients (Note [Cast gradients per step]): the
+// bf16 copy of each weight, its accumulation and the one addition to .grad
+// are device work like any other, captured and replayed.
+constexpr int kAutoStepEagerRuns = 2;
+
+MPIPE_FUNC GraphPolicy::AutoGraph& GraphPolicy::seen(const std::string& key) {
+  if (auto_graphs_.size() >= 256 && auto_graphs_.count(key) == 0) auto_graphs_.clear();  // many shapes
+  return auto_graphs_[key];
+}
+
+MPIPE_FUNC at::Tensor GraphPolicy::replay_step(ModelPipelineImpl& pipeline, const std::string& key,
+                                               const at::Tensor& x, const at::Tensor& target,
+                                               const EagerStep& eager, bool failure_throws) {
+  PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
+  at::Tensor loss = run_graphed_step(
+      *cache_, key, {x, target}, pipeline.parameters(),
+      [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
+      [&pipeline] { reset_states(pipeline); }, failure_throws);
+  if (loss.defined()) reset_states(pipeline);  // Note [CUDA graphs]: state does not outlive a graphed call
+  return loss;
 }
 
 MPIPE_FUNC at::Tensor GraphPolicy::step(ModelPipelineImpl& pipeline, const Stages& stages,
                                         const GraphKey& key, const at::Tensor& x,
                                         const at::Tensor& target, const EagerStep& eager) {
-  if (!pipeline.options.cuda_graphs() || x.requires_grad() ||
-      (pipeline.is_training() && pipeline.options.checkpoint() != Checkpoint::Never) ||
-      (target.defined() && target.device() != x.device()) ||
-      casts_beat_graphs(pipeline, stages, x)) {
+  const ModelPipelineOptions& o = pipeline.options;
+  const bool automatic = !o.cuda_graphs();
+  if ((automatic && (!o.auto_cuda_graphs() || o.process_group().defined() || o.track_memory())) ||
+      x.requires_grad() || (pipeline.is_training() && o.checkpoint() != Checkpoint::Never) ||
+      (target.defined() && target.device() != x.device())) {
     return {};  // input gradients leave the graph; a recompute is not captured
   }
   {
@@ -210,15 +243,30 @@ MPIPE_FUNC at::Tensor GraphPolicy::step(ModelPipelineImpl& pipeline, const Stage
     c10::NoGradGuard no_grad;
     if (!could_graph(pipeline, stages, x)) return {};
   }
-  PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-  // Graphed steps keep autograd's accumulation (Note [Cast gradients per step]).
-  ScopedFlag graphed(in_graphed_step_);
-  at::Tensor loss = run_graphed_step(
-      *cache_, graph_key(pipeline, key), {x, target}, pipeline.parameters(),
-      [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
-      [&pipeline] { reset_states(pipeline); });
-  if (loss.defined()) reset_states(pipeline);  // Note [CUDA graphs]: state does not outlive a graphed call
-  return loss;
+  const std::string k = graph_key(pipeline, key);
+  if (!automatic) return replay_step(pipeline, k, x, target, eager, /*failure_throws=*/true);
+  if (key.method == "train_step") {
+    for (const auto& stage : stages.stateful) {
+      if (!stage.empty()) return {};  // an eager train_step carries state to the next
+    }
+  }
+  AutoGraph& s = seen(k);
+  const Held held = holds_step(*cache_, k, pipeline.parameters());
+  if (held == Held::Moved && ++s.moved > kAutoMoves) s.refused = true;
+  if (s.refused) return {};
+  if (held != Held::Held) {
+    if (s.eager_runs < kAutoStepEagerRuns) {
+      const uint64_t draws = draws_seen();
+      at::Tensor loss = eager(x, target, o.worker_threads());
+      if (draws_seen() != draws) s.refused = true;
+      ++s.eager_runs;
+      return loss;
+    }
+    if (graphs_held(*cache_) >= kMaxAutoGraphs || !room_for_capture(x.device())) return {};
+  }
+  // Undefined: the capture failed (the key stays eager), or the step must run
+  // eagerly this time (Note [Graphed training steps]).
+  return replay_step(pipeline, k, x, target, eager, /*failure_throws=*/false);
 }
 
 MPIPE_FUNC void GraphPolicy::drop() {

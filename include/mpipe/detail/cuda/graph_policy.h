@@ -30,10 +30,10 @@ class GraphPolicy {
   GraphPolicy() : cache_(make_graph_cache()) {}
 
   /// The policy's first test, cheap enough for every call: false when call()
-  /// or step() would surely say no (a CPU input; a step without
-  /// options.cuda_graphs), so that the caller builds no key for them.
-  static bool may_replay(const ModelPipelineOptions& options, const at::Tensor& x, bool step) {
-    return x.is_cuda() && (!step || options.cuda_graphs());
+  /// or step() would surely say no (a CPU input; both graph options off), so
+  /// that the caller builds no key for them.
+  static bool may_replay(const ModelPipelineOptions& options, const at::Tensor& x) {
+    return x.is_cuda() && (options.cuda_graphs() || options.auto_cuda_graphs());
   }
   /// A no-grad call of one tensor `x` of `pipeline`: replayed from a CUDA
   /// graph (ModelPipelineOptions::cuda_graphs), or run as Note [Automatic
@@ -41,8 +41,9 @@ class GraphPolicy {
   /// eagerly instead, which the caller then does.
   at::Tensor call(ModelPipelineImpl& pipeline, const Stages& stages, const GraphKey& key,
                   const at::Tensor& x, const Eager& eager);
-  /// A training step: replayed from a CUDA graph where a replay is exact
-  /// (Note [Graphs or summed casts]); undefined when it runs eagerly.
+  /// A training step: replayed from a CUDA graph (options.cuda_graphs), or
+  /// run as Note [Automatic CUDA graphs] decides; undefined when the caller
+  /// is to run it eagerly.
   at::Tensor step(ModelPipelineImpl& pipeline, const Stages& stages, const GraphKey& key,
                   const at::Tensor& x, const at::Tensor& target, const EagerStep& eager);
 
@@ -50,9 +51,6 @@ class GraphPolicy {
   /// Drops every graph: parameters moved or stages changed.
   void drop();
 
-  /// A training step is being captured or warmed up: autograd sums cast
-  /// gradients (Note [Cast gradients per step] is not captured).
-  bool in_graphed_step() const { return in_graphed_step_; }
   /// A no-grad call is being captured: lanes(0) means 2 lanes.
   bool in_graph_run() const { return in_graph_run_; }
 
@@ -75,9 +73,17 @@ class GraphPolicy {
                     const Eager& eager);
   at::Tensor auto_graphed(ModelPipelineImpl& pipeline, const Stages& stages,
                           const GraphKey& key, const at::Tensor& x, const Eager& eager);
+  /// A training step from its graph, captured first if need be; undefined
+  /// when it is to run eagerly (run_graphed_step). A failed capture throws
+  /// with `failure_throws`, else gives undefined.
+  at::Tensor replay_step(ModelPipelineImpl& pipeline, const std::string& key,
+                         const at::Tensor& x, const at::Tensor& target, const EagerStep& eager,
+                         bool failure_throws);
+  /// The bookkeeping of Note [Automatic CUDA graphs] for `key`: the entry,
+  /// emptied when the map grows past its bound.
+  AutoGraph& seen(const std::string& key);
 
   std::shared_ptr<GraphCache> cache_;  // null without CUDA
-  bool in_graphed_step_ = false;
   bool in_graph_run_ = false;
   std::map<std::string, AutoGraph> auto_graphs_;
 };

@@ -37,12 +37,14 @@ struct GraphKey {
   bool training = false;   // the module's mode
   bool inference = false;  // c10::InferenceMode: its tensors cannot be updated outside it
   std::string autocast = AutocastState::current().str();  // the caller's autocast state
+  std::string loss;        // training steps: which loss function (loss_identity)
 
   std::string str() const {
     return c10::str(method, "|", items, "|", rows, "|", reduce, "|", time_chunk, "|", schedule, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
-                    training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast);
+                    training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast,
+                    "|", loss);
   }
 };
 
@@ -70,20 +72,34 @@ at::Tensor run_graphed(GraphCache& cache, const std::string& key, const at::Tens
                        const std::function<at::Tensor(const at::Tensor&)>& eager,
                        const std::function<void()>& reset);
 
+/// Whether `cache` holds a training step's graph for `key`; one whose
+/// parameters moved to other storage, or changed requires_grad, since its
+/// capture is dropped here (Moved).
+Held holds_step(GraphCache& cache, const std::string& key, const std::vector<at::Tensor>& params);
+
+/// Whether a capture on `device` leaves room for eager work: the caching
+/// allocator has reserved at most half the device's memory. A captured graph
+/// keeps its own copy of the call's activations (Note [Automatic CUDA graphs]).
+bool room_for_capture(c10::Device device);
+
 /// A training step (forward and backward) as a graph. The first time a key is
 /// seen, runs `step(inputs)` eagerly (the warm-up) and returns its loss.
 /// Returns an undefined tensor when the caller must run the step eagerly
 /// itself: the cache is full, capturing this key failed before, or an earlier
-/// autograd graph still holds a parameter. Otherwise captures `step` on the
+/// autograd graph still holds a parameter, or someone other than the
+/// parameter holds a static .grad that the replay would zero or overwrite
+/// (a gradient kept from an earlier step; the key then stays eager). Otherwise captures `step` on the
 /// second sight of a key, then replays: `inputs` are copied into static
 /// copies, every parameter in `params` that requires grad accumulates into a
 /// static .grad (Note [Graphed training steps]), and a copy of the step's
-/// returned loss comes back. `reset` is called before the capture.
+/// returned loss comes back. `reset` is called before the capture. A capture
+/// that fails marks `key` failed and rethrows with `failure_throws`; without,
+/// it calls `reset` and returns undefined.
 at::Tensor run_graphed_step(GraphCache& cache, const std::string& key,
                             const std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& params,
                             const std::function<at::Tensor(const std::vector<at::Tensor>&)>& step,
-                            const std::function<void()>& reset);
+                            const std::function<void()>& reset, bool failure_throws);
 
 }  // namespace detail
 }  // namespace mpipe

@@ -5,6 +5,7 @@
 #include "mpipe/detail/cuda/graphs.h"
 
 #include <ATen/Functions.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -58,7 +59,10 @@ namespace detail {
 // parameter's .grad is checked: the static tensor itself -> accumulate; none
 // (zero_grad() set it to None) -> the static one is zeroed and put back, which
 // equals eager's "first gradient becomes .grad"; another tensor -> its values
-// are copied into the static one, which becomes .grad again. A parameter whose
+// are copied into the static one, which becomes .grad again. A static .grad
+// that is no longer the parameter's but that the caller still holds (kept
+// from an earlier step) would be zeroed or overwritten: the graph is dropped
+// and the key runs eagerly from then on. A parameter whose
 // storage was replaced since the capture (data_ptr changed), or whose
 // requires_grad flipped, drops the graph, and the step is captured again;
 // parameters the warm-up step gave no gradient get no static .grad. The first
@@ -246,26 +250,39 @@ MPIPE_FUNC at::Tensor run_graphed(GraphCache& cache, const std::string& key, con
   return entry.output.clone();
 }
 
+MPIPE_FUNC Held holds_step(GraphCache& cache, const std::string& key,
+                           const std::vector<at::Tensor>& params) {
+  auto it = cache.steps.find(key);
+  if (it == cache.steps.end()) return Held::None;
+  const auto& e = it->second;
+  bool moved = e.param_ptrs.size() != params.size();
+  for (size_t k = 0; !moved && k < params.size(); ++k) {
+    moved = params[k].data_ptr() != e.param_ptrs[k] ||
+            params[k].requires_grad() != e.param_requires_grad[k];
+  }
+  if (!moved) return Held::Held;
+  cache.steps.erase(it);  // new storage, or a parameter frozen or unfrozen: capture again
+  return Held::Moved;
+}
+
+MPIPE_FUNC bool room_for_capture(c10::Device device) {
+  const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  const int64_t reserved =
+      stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  const size_t total = at::cuda::getDeviceProperties(index)->totalGlobalMem;
+  return 2 * static_cast<uint64_t>(reserved) <= total;
+}
+
 MPIPE_FUNC at::Tensor run_graphed_step(
     GraphCache& cache, const std::string& key, const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& params,
     const std::function<at::Tensor(const std::vector<at::Tensor>&)>& step,
-    const std::function<void()>& reset) {
+    const std::function<void()>& reset, bool failure_throws) {
   TORCH_INTERNAL_ASSERT(!inputs.empty() && inputs[0].is_cuda());
   c10::cuda::CUDAGuard device_guard(inputs[0].device());
+  holds_step(cache, key, params);
   auto it = cache.steps.find(key);
-  if (it != cache.steps.end()) {
-    const auto& e = it->second;
-    bool moved = e.param_ptrs.size() != params.size();
-    for (size_t k = 0; !moved && k < params.size(); ++k) {
-      moved = params[k].data_ptr() != e.param_ptrs[k] ||
-              params[k].requires_grad() != e.param_requires_grad[k];
-    }
-    if (moved) {  // new storage, or a parameter frozen or unfrozen: capture again
-      cache.steps.erase(it);
-      it = cache.steps.end();
-    }
-  }
   if (it == cache.steps.end()) {
     if (cache.failed.count(key) || cache.size() >= kMaxGraphs) return at::Tensor();
     auto warm = cache.warmed.find(key);
@@ -320,11 +337,25 @@ MPIPE_FUNC at::Tensor run_graphed_step(
     } catch (...) {
       cache.failed.insert(key);
       for (auto& p : created) p.mutable_grad() = at::Tensor();
-      throw;
+      if (failure_throws) throw;
+      reset();  // what the capture left in stateful modules: the caller runs the step eagerly
+      return at::Tensor();
     }
     it = cache.steps.emplace(key, std::move(entry)).first;
   }
   GraphCache::StepEntry& entry = it->second;
+  for (size_t k = 0; k < entry.params.size(); ++k) {
+    // A static .grad that is no longer the parameter's but is still held
+    // (the caller kept an earlier step's gradient, then zero_grad set it to
+    // None): the replay would zero and overwrite the caller's tensor. Drop
+    // the graph; this key runs eagerly from now on (clear_cuda_graphs()
+    // forgets that).
+    if (!entry.params[k].grad().is_same(entry.grads[k]) && entry.grads[k].use_count() > 1) {
+      cache.steps.erase(it);
+      cache.failed.insert(key);
+      return at::Tensor();
+    }
+  }
   std::vector<at::Tensor> to_zero;
   for (size_t k = 0; k < entry.params.size(); ++k) {
     const at::Tensor current = entry.params[k].grad();

@@ -25,10 +25,16 @@ MPIPE_FUNC at::Tensor run_graphed(GraphCache&, const std::string&, const at::Ten
   return at::Tensor();
 }
 
+MPIPE_FUNC Held holds_step(GraphCache&, const std::string&, const std::vector<at::Tensor>&) {
+  return Held::None;
+}
+
+MPIPE_FUNC bool room_for_capture(c10::Device) { return false; }
+
 MPIPE_FUNC at::Tensor run_graphed_step(
     GraphCache&, const std::string&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
     const std::function<at::Tensor(const std::vector<at::Tensor>&)>&,
-    const std::function<void()>&) {
+    const std::function<void()>&, bool) {
   return at::Tensor();
 }
 

@@ -96,7 +96,7 @@ MPIPE_FUNC Tensors forward(PipelineParts& parts, const std::vector<Input>& input
     };
     at::Tensor replayed;
     if (one_tensor) {
-      replayed = call.replay(inputs[0].tensor, {}, info, /*step=*/false,
+      replayed = call.replay(inputs[0].tensor, {}, info, /*step=*/nullptr,
                              [&](const at::Tensor& x, const at::Tensor&, bool threaded) {
                                return one_output("forward", eager({Input(x)}, threaded, nullptr));
                              });
@@ -203,7 +203,7 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
   spec.item_name = "micro-batch";
   spec.training = true;
   spec.micro_batched = true;
-  spec.accumulate_cast_grads = p.options().accumulate_cast_grads() && !p.graphs.in_graphed_step();
+  spec.accumulate_cast_grads = p.options().accumulate_cast_grads();
   spec.remote = remote;
   spec.n_items = info.n_items;
   if (info.schedule == kGivenPrograms) {
@@ -299,7 +299,7 @@ MPIPE_FUNC at::Tensor train_step(PipelineParts& parts, const std::vector<Input>&
     // does one whose input needs gradients or that runs given programs.
     if (one_tensor && !inputs[0].tensor.requires_grad() && step.loss_scale() == 1.0 &&
         step.programs().empty()) {
-      loss = call.replay(inputs[0].tensor, target, info, /*step=*/true,
+      loss = call.replay(inputs[0].tensor, target, info, &loss_fn,
                          [&](const at::Tensor& x, const at::Tensor& y, bool threaded) {
                            return eager({Input(x)}, y, threaded, nullptr);
                          });

@@ -10,7 +10,6 @@
 
 #include "mpipe/detail/cuda/device_probe.h"
 
-#include "mpipe/linear.h"
 #include "mpipe/state.h"
 
 #include <c10/util/Exception.h>
@@ -78,9 +77,6 @@ MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append_stage(
   s.graphs.drop();
   detail::Stages& stages = s.stages;
   stages.stateful.push_back(detail::find_stateful(module));
-  for (const auto& m : module->modules()) {
-    stages.cast_linears |= dynamic_cast<const LinearImpl*>(m.get()) != nullptr;
-  }
   stages.modules->push_back(std::move(module));
   stages.forwards.push_back(std::move(forward));
   stages.devices.push_back(resolved);

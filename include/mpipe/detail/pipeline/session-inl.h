@@ -74,6 +74,16 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
   return key;
 }
 
+/// What a step's graph key knows of its loss function: the callable's type
+/// and, for a plain function, its address. Not what a lambda captured: a
+/// graph replays the loss its capture computed (docs/performance.md).
+MPIPE_FUNC std::string loss_identity(const LossFunction& fn) {
+  using Plain = at::Tensor (*)(const at::Tensor&, const at::Tensor&);
+  std::string id = fn.target_type().name();
+  if (const Plain* f = fn.target<Plain>()) id += c10::str("@", reinterpret_cast<uintptr_t>(*f));
+  return id;
+}
+
 /// The memory watch's start: `method` when options.track_memory, else null.
 MPIPE_FUNC const char* begin_watch(PipelineParts& parts, const char* method) {
   if (!parts.self.options.track_memory()) return nullptr;
@@ -108,10 +118,13 @@ MPIPE_FUNC bool Call::describes() const {
 }
 
 MPIPE_FUNC at::Tensor Call::replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info,
-                                   bool step, const GraphPolicy::EagerStep& eager) {
-  if (remote_ || !GraphPolicy::may_replay(parts_.self.options, x, step)) return {};  // one process
-  const GraphKey key = key_of(method_, info, x, y, parts_.self.is_training());
-  if (step) return parts_.graphs.step(parts_.self, parts_.stages, key, x, y, eager);
+                                   const LossFunction* step, const GraphPolicy::EagerStep& eager) {
+  if (remote_ || !GraphPolicy::may_replay(parts_.self.options, x)) return {};  // one process
+  GraphKey key = key_of(method_, info, x, y, parts_.self.is_training());
+  if (step) {
+    key.loss = loss_identity(*step);
+    return parts_.graphs.step(parts_.self, parts_.stages, key, x, y, eager);
+  }
   return parts_.graphs.call(parts_.self, parts_.stages, key, x,
                             [&](const at::Tensor& xg, bool threaded) {
                               return eager(xg, at::Tensor(), threaded);

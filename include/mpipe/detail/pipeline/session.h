@@ -140,11 +140,11 @@ class Call {
   /// options.record_timeline. The call hands back the plan's results.
   void execute(CallSpec& spec, bool threaded);
   /// A Tensor call's CUDA-graph replay in one process, where the graph
-  /// policy allows one (`step`: a training step); undefined when the call
-  /// is to run eagerly. `eager` runs it eagerly on the graph's inputs (the
-  /// policy's capture runs it).
-  at::Tensor replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info, bool step,
-                    const GraphPolicy::EagerStep& eager);
+  /// policy allows one (`step`: a training step's loss function; null for a
+  /// no-grad call); undefined when the call is to run eagerly. `eager` runs
+  /// it eagerly on the graph's inputs (the policy's capture runs it).
+  at::Tensor replay(const at::Tensor& x, const at::Tensor& y, const CallInfo& info,
+                    const LossFunction* step, const GraphPolicy::EagerStep& eager);
   /// Ends the call; across processes, throws what another rank reported.
   void finish();
   /// From a catch block: ends the call on every rank and rethrows the

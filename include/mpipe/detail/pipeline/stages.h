@@ -25,7 +25,6 @@ struct Stages {
   std::vector<StageForward> forwards;  // how each stage is called
   std::vector<c10::Device> devices;
   std::vector<std::vector<StatefulModule>> stateful;  // per stage (Note [State snapshots])
-  bool cast_linears = false;  // a stage holds an mpipe::Linear (Note [Graphs or summed casts])
 
   size_t size() const { return devices.size(); }
 

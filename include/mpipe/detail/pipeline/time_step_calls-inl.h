@@ -154,10 +154,11 @@ MPIPE_FUNC Plan time_step_items(const char* method, const CallInfo& info, const 
 /// describes it, `check(p, info, remote)`, the modules' state reset first
 /// (`reset_first`) and after (`reset_after`), then `plan(p, info, inputs,
 /// target, remote)` executed, or a CUDA graph's replay of it (`step`: a
-/// training step's graph).
+/// training step's loss function, null for a no-grad call).
 template <typename Describe, typename Check, typename MakePlan>
 Tensors run_time_steps(PipelineParts& parts, const TimeStepArgs& a, const at::Tensor& target,
-                       bool reset_first, bool reset_after, bool step, Describe describe,
+                       bool reset_first, bool reset_after, const LossFunction* step,
+                       Describe describe,
                        Check check, MakePlan plan) {
   Call call(parts, a.method);
   try {
@@ -265,7 +266,7 @@ MPIPE_FUNC Tensors constant_call(PipelineParts& parts, const TimeStepArgs& a, in
   const bool reset = parts.self.options.reset_state_each_call();
   return run_time_steps(
       parts, a, target, /*reset_first=*/reset, /*reset_after=*/loss_fn != nullptr,
-      /*step=*/loss_fn != nullptr,
+      /*step=*/loss_fn,
       [&](const PipelineView& p) {
         check_runnable(p, a.method, a.one_tensor ? &a.inputs[0].tensor : nullptr);
         return time_steps(p, a, T, batch_size(a.method, a.inputs, 0), reduce, loss_fn || reset);
@@ -313,7 +314,7 @@ MPIPE_FUNC Plan sequence_plan(const PipelineView& p, const CallInfo& info,
 MPIPE_FUNC Tensors sequence_call(PipelineParts& parts, const TimeStepArgs& a, bool reduce) {
   const bool reset = parts.self.options.reset_state_each_call();
   return run_time_steps(
-      parts, a, at::Tensor(), reset, false, false,
+      parts, a, at::Tensor(), reset, false, /*step=*/nullptr,
       [&](const PipelineView& p) {
         check_runnable(p, a.method, a.one_tensor ? &a.inputs[0].tensor : nullptr,
                        /*time_major=*/true);

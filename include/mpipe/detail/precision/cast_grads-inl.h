@@ -33,8 +33,9 @@ namespace detail {
 // the autocast dtype are what autograd's own accumulation of a shared tensor's
 // gradients does; the option accumulate_cast_grads(false) turns this off.
 // Hooks registered on the weight do not see these gradients (they are added
-// by flush, not by autograd). A graphed step would keep autograd's way, so
-// with cuda_graphs such steps run eagerly (Note [Graphs or summed casts]).
+// by flush, not by autograd). A graphed step captures all of it: the copy,
+// the sums and flush's addition are device work on the stages' streams, and a
+// replay repeats them (Note [Automatic graphs of training steps]).
 
 MPIPE_INLINE_VAR thread_local CastGrads* t_cast_grads = nullptr;
 
