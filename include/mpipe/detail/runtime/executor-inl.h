@@ -10,6 +10,7 @@
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/recorder.h"
 #include "mpipe/detail/runtime/skips.h"
+#include "mpipe/detail/runtime/spin.h"
 #include "mpipe/detail/runtime/split_backward.h"
 #include "mpipe/detail/runtime/streams.h"
 
@@ -256,6 +257,7 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
         r.reset();  // before the caller can move on (Note [Call ownership])
         std::lock_guard<std::mutex> lock(done.mutex);
         ++done.finished;
+        done.finishes.fetch_add(1, std::memory_order_release);
         done.done.notify_all();
       });
       ++run->expected;
@@ -263,7 +265,9 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   }
   if (threaded) {
     std::unique_lock<std::mutex> lock(run->mutex);
-    run->done.wait(lock, [&] { return run->finished == run->expected; });
+    auto all_done = [&] { return run->finished == run->expected; };
+    spin_while_not(lock, run->finishes, all_done);  // Note [Spinning before sleeping]
+    run->done.wait(lock, all_done);
   } else {
     for (const auto& t : schedules::simulate(call.programs)) {
       if (!mine(t.op)) continue;

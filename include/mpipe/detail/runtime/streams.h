@@ -8,7 +8,11 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 namespace mpipe {
 namespace detail {
@@ -41,8 +45,51 @@ inline void record_on_current(const at::Tensor& t) {
   if (t.defined() && !t.device().is_cpu()) record_on(t, current_stream(t.device()));
 }
 
+// Note [Pooled events]
+// ~~~~~~~~~~~~~~~~~~~~
+// Every hand-off records an event on the producer's stream, and a CUDA event
+// made and destroyed per hand-off costs a driver call each way. Events are
+// reused instead: one whose last holder lets go goes back to its device's
+// free list, and the next hand-off records it again. That is safe because a
+// stream that waited on it kept the state of the record it waited for (CUDA's
+// cudaStreamWaitEvent semantics); nothing reads an event after its holders
+// drop it. The pool keeps at most 1024 free events per device and lives as
+// long as the process (events may be released during static destruction).
+class EventPool {
+ public:
+  static EventPool& get() {
+    static auto* pool = new EventPool();  // never destroyed
+    return *pool;
+  }
+  std::shared_ptr<c10::Event> take(c10::Device device) {
+    c10::Event* event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_[key(device)];
+      if (!free.empty()) {
+        event = free.back().release();
+        free.pop_back();
+      }
+    }
+    if (!event) event = new c10::Event(device.type());
+    return std::shared_ptr<c10::Event>(event, [this, device](c10::Event* e) { give(device, e); });
+  }
+
+ private:
+  void give(c10::Device device, c10::Event* event) {
+    std::unique_ptr<c10::Event> owned(event);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& free = free_[key(device)];
+    if (free.size() < 1024) free.push_back(std::move(owned));
+  }
+  static std::pair<int, int> key(c10::Device d) { return {static_cast<int>(d.type()), d.index()}; }
+  std::mutex mutex_;
+  std::map<std::pair<int, int>, std::vector<std::unique_ptr<c10::Event>>> free_;
+};
+
+/// An event recorded on `stream` now (Note [Pooled events]).
 inline std::shared_ptr<c10::Event> record_event(const c10::Stream& stream) {
-  auto event = std::make_shared<c10::Event>(stream.device_type());
+  auto event = EventPool::get().take(stream.device());
   event->record(stream);
   return event;
 }
