@@ -11,6 +11,7 @@
 // one module with the same recipe (the same micro-batches, their gradients
 // accumulated), for comparison.
 
+#include "model.h"
 #include "training.h"
 
 #include <mpipe/autocast.h>
@@ -19,17 +20,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <torch/cuda.h>
-#include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/nn/init.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
-#include <torch/version.h>
 
 #include <CLI/CLI.hpp>
 
@@ -50,6 +45,7 @@
 
 namespace nn = torch::nn;
 
+namespace transformer_lm {
 namespace {
 
 constexpr const char* kDefaultData = "/usr/share/games/fortunes";
@@ -66,6 +62,7 @@ struct Config {
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0;
   std::string schedule = "1f1b";
   std::string checkpoint = "never";
+  std::string graphs = "auto";
   std::string balance = "auto";
   std::string precision;  // "": bf16 on a GPU, fp32 on the CPU
   bool plain = false;
@@ -76,101 +73,6 @@ struct Config {
   double max_val_loss = -1;
   bool below_unigram = false;
   mpipe::distributed::ProcessGroup group;
-};
-
-// The model ------------------------------------------------------------------
-
-struct EmbedImpl : nn::Module {
-  EmbedImpl(int64_t vocab, int64_t dim, int64_t context) {
-    tok = register_module("tok", nn::Embedding(vocab, dim));
-    pos = register_module("pos", nn::Embedding(context, dim));
-  }
-  torch::Tensor forward(const torch::Tensor& idx) {  // [B, T] token ids -> [B, T, dim]
-    return tok(idx) + pos(torch::arange(idx.size(1), idx.options()));
-  }
-  nn::Embedding tok{nullptr}, pos{nullptr};
-};
-TORCH_MODULE(Embed);
-
-struct BlockImpl : nn::Module {
-  BlockImpl(int64_t dim, int64_t heads) : heads(heads) {
-    ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    qkv = register_module("qkv", nn::Linear(dim, 3 * dim));
-    proj = register_module("proj", nn::Linear(dim, dim));
-    ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    fc1 = register_module("fc1", nn::Linear(dim, 4 * dim));
-    fc2 = register_module("fc2", nn::Linear(4 * dim, dim));
-  }
-  torch::Tensor forward(torch::Tensor x) {  // [B, T, dim]
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-    auto parts = qkv(ln1(x)).view({B, T, 3, heads, C / heads}).permute({2, 0, 3, 1, 4});
-    const auto q = parts[0], k = parts[1], v = parts[2];  // [B, heads, T, C / heads]
-#if TORCH_VERSION_MAJOR >= 2
-    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-#else  // LibTorch 1.x has no fused attention
-    auto att = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / heads));
-    const auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
-    auto y = att.masked_fill(future, -std::numeric_limits<float>::infinity()).softmax(-1).matmul(v);
-#endif
-    x = x + proj(y.transpose(1, 2).reshape({B, T, C}));
-    return x + fc2(nn::functional::gelu(fc1(ln2(x))));
-  }
-  int64_t heads;
-  nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct HeadImpl : nn::Module {
-  HeadImpl(int64_t dim, int64_t vocab) {
-    ln = register_module("ln", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    out = register_module("out", nn::Linear(nn::LinearOptions(dim, vocab).bias(false)));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return out(ln(x)); }  // [B, T, vocab] logits
-  nn::LayerNorm ln{nullptr};
-  nn::Linear out{nullptr};
-};
-TORCH_MODULE(Head);
-
-/// The layers in order: the embedding, the blocks, the head (GPT-2's
-/// initialisation: normal(0, 0.02), residual projections scaled by depth).
-struct Layers {
-  Embed embed{nullptr};
-  std::vector<Block> blocks;
-  Head head{nullptr};
-
-  Layers(int64_t vocab, const Config& c) {
-    embed = Embed(vocab, c.dim, c.context);
-    for (int64_t l = 0; l < c.layers; ++l) blocks.emplace_back(c.dim, c.heads);
-    head = Head(c.dim, vocab);
-    torch::NoGradGuard no_grad;
-    for (auto& p : all()->named_parameters()) {
-      const auto& name = p.key();
-      if (name.find("ln") != std::string::npos || name.find("bias") != std::string::npos) continue;
-      const bool residual = name.find("proj") != std::string::npos || name.find("fc2") != std::string::npos;
-      nn::init::normal_(p.value(), 0.0, residual ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02);
-    }
-    for (auto& p : all()->named_parameters()) {
-      if (p.key().find("bias") != std::string::npos) p.value().zero_();
-    }
-  }
-  int64_t size() const { return static_cast<int64_t>(blocks.size()) + 2; }
-  /// Appends layer i to `seq`.
-  void push(nn::Sequential& seq, int64_t i) const {
-    if (i == 0) {
-      seq->push_back(embed);
-    } else if (i + 1 == size()) {
-      seq->push_back(head);
-    } else {
-      seq->push_back(blocks[static_cast<size_t>(i - 1)]);
-    }
-  }
-  /// Every layer in one module (the plain model).
-  nn::Sequential all() const {
-    nn::Sequential seq;
-    for (int64_t i = 0; i < size(); ++i) push(seq, i);
-    return seq;
-  }
 };
 
 // The data -------------------------------------------------------------------
@@ -302,11 +204,6 @@ std::vector<int64_t> stage_sizes(const Config& c, Layers& layers, int64_t n_stag
 std::unique_ptr<mpipe::AutocastGuard> precision_scope(const Config& c, const torch::Device& d) {
   if (c.precision != "bf16") return nullptr;
   return std::make_unique<mpipe::AutocastGuard>(d.type(), torch::kBFloat16);
-}
-
-torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat),
-                                              targets.reshape({-1}));
 }
 
 /// Warm-up, then cosine decay to a tenth of the peak.
@@ -501,7 +398,7 @@ int run(Config c) {
   const bool report = examples::reports(c.group);
 
   // The model: the plain module, or the pipeline's stages (this rank's).
-  Layers layers(vocab, c);
+  Layers layers(vocab, c.layers, c.dim, c.heads, c.context);
   Model m;
   std::string placement;
   if (c.plain) {
@@ -515,6 +412,7 @@ int run(Config c) {
     const auto sizes = stage_sizes(c, layers, n_stages, vocab, sample);
     m.pipe = mpipe::ModelPipeline(mpipe::ModelPipelineOptions()
                                       .checkpoint(checkpoint_of(c.checkpoint))
+                                      .auto_cuda_graphs(c.graphs == "auto")
                                       .process_group(c.group));
     int64_t at = 0;
     std::string split;
@@ -535,17 +433,23 @@ int run(Config c) {
   }
   int64_t n_params = 0;
   for (const auto& p : layers.all()->parameters()) n_params += p.numel();
+  // Where a replay gives the eager step's results, mpipe replays repeated
+  // steps from CUDA graphs by default (docs/performance.md).
+  const bool graphed = !c.plain && cuda && c.graphs == "auto" && !c.group.defined() &&
+                       c.checkpoint == "never";
+  const std::string graphs = graphed ? "CUDA graphs (training steps replayed from the 4th)"
+                                     : "eager (no CUDA graphs)";
   if (report) {
     std::printf("mpipe %s transformer_lm: %s; %lld layers of %lld (%lld heads), context %lld, "
                 "%.1fM parameters, vocabulary %lld; %lld train / %lld validation characters; batch "
-                "%lld = %lld micro-batches, schedule %s, checkpoint %s, %s%s\n",
+                "%lld = %lld micro-batches, schedule %s, checkpoint %s, %s, %s%s\n",
                 MPIPE_VERSION_STRING, placement.c_str(), static_cast<long long>(c.layers),
                 static_cast<long long>(c.dim), static_cast<long long>(c.heads),
                 static_cast<long long>(c.context), static_cast<double>(n_params) / 1e6,
                 static_cast<long long>(vocab), static_cast<long long>(corpus.train.size(0)),
                 static_cast<long long>(corpus.val.size(0)), static_cast<long long>(c.batch),
                 static_cast<long long>(c.micro_batches), c.plain ? "none (plain)" : c.schedule.c_str(),
-                c.checkpoint.c_str(), c.precision.c_str(), common.quick ? " (quick)" : "");
+                c.checkpoint.c_str(), c.precision.c_str(), graphs.c_str(), common.quick ? " (quick)" : "");
     std::printf("unigram baseline: %.3f nats per character on the validation text\n",
                 corpus.unigram);
   }
@@ -697,6 +601,7 @@ int run(Config c) {
                 "training; weights in %s, loss curve in %s\n",
                 val_loss, corpus.unigram, examples::format_duration(train_seconds).c_str(),
                 model_file.c_str(), plot.c_str());
+    if (graphed) std::printf("CUDA graphs held: %zu\n", m.pipe->cuda_graphs_captured());
   } else {
     std::printf("final validation loss %.3f nats per character (unigram baseline %.3f)\n", val_loss,
                 corpus.unigram);
@@ -714,9 +619,10 @@ int run(Config c) {
 }
 
 }  // namespace
+}  // namespace transformer_lm
 
 int main(int argc, char** argv) {
-  Config c;
+  transformer_lm::Config c;
   CLI::App app{"Train a character-level transformer language model on Debian's fortunes through "
                "an mpipe pipeline"};
   app.add_option("--layers", c.layers, "transformer blocks (default 6 on a GPU, 2 on the CPU)")
@@ -743,6 +649,9 @@ int main(int argc, char** argv) {
   app.add_option("--balance", c.balance, "layers per stage, e.g. 2,2,2,2 (default auto: by a "
                  "profile in one process, by FLOPs across processes)");
   app.add_option("--precision", c.precision, "bf16 (autocast, the default on a GPU) or fp32");
+  app.add_option("--graphs", c.graphs, "auto (default: on one GPU, repeated training steps and "
+                 "inference calls are replayed from CUDA graphs) or off (every step eager)")
+      ->check(CLI::IsMember({"auto", "off"}));
   app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline), "
                "accumulating gradients over the --micro-batches as the pipeline does "
                "(--micro-batches 1: the whole batch at once)");
@@ -758,11 +667,11 @@ int main(int argc, char** argv) {
   app.add_flag("--below-unigram", c.below_unigram,
                "exit 1 unless the final validation loss is below the unigram baseline");
   examples::CommonFlags& f = c.common;
-  f.data = kDefaultData;
+  f.data = transformer_lm::kDefaultData;
   f.out = "transformer_lm_out";
   examples::add_run_flags(app, f, "a brief run: the CPU's tiny model, 200 steps",
-                          "folder of the fortunes text files (default " + std::string(kDefaultData) + ")",
+                          "folder of the fortunes text files (default " + std::string(transformer_lm::kDefaultData) + ")",
                           "folder for weights, optimizer state and the loss curve");
   CLI11_PARSE(app, argc, argv);
-  return examples::run_guarded([&] { return run(c); });
+  return examples::run_guarded([&] { return transformer_lm::run(c); });
 }
