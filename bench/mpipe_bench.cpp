@@ -9,12 +9,16 @@
 #include <mpipe/mpipe.h>
 #include <mpipe/snn.h>
 
+#include "lm_costs.h"
+
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
 #include <torch/utils.h>
 #include <torch/version.h>
 
@@ -865,6 +869,139 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
   return r;
 }
 
+/// The transformer_lm example's model and training step at its GPU defaults
+/// (6 blocks of 384, 6 heads, context 256, batch 64 in 8 micro-batches, bf16
+/// autocast, AdamW, gradients clipped to norm 1; `small`: its CPU defaults,
+/// 2 blocks of 64, context 64, batch 16, fp32) on one device, vocabulary 100:
+/// plain LibTorch on the whole batch and on the same 8 micro-batches with
+/// their gradients accumulated (the fair baseline), the pipeline of 4 stages
+/// (1F1B) eager and with default options (repeated steps replayed from a
+/// CUDA graph), each layer's cost per micro-batch, and schedules::simulate's
+/// prediction of the step on 2, 4 and 8 devices (1F1B, interleaved, ZB-H1)
+/// from those costs, the runtime's cost per task and an NVLink-like hand-off.
+json lm_workload(const Timer& timer, const torch::Device& device, bool small) {
+  const int64_t n_blocks = small ? 2 : 6, dim = small ? 64 : 384, heads = small ? 4 : 6;
+  const int64_t context = small ? 64 : 256, batch = small ? 16 : 64, m = 8, vocab = 100;
+  const bool bf16 = device.is_cuda();
+  torch::manual_seed(0);
+  transformer_lm::Layers layers(vocab, n_blocks, dim, heads, context);
+  auto plain = layers.all();
+  plain->to(device);
+  const auto ids = torch::TensorOptions(device).dtype(torch::kLong);
+  const auto x = torch::randint(vocab, {batch, context}, ids);
+  const auto y = torch::randint(vocab, {batch, context}, ids);
+  auto scope = [&] {
+    return bf16 ? std::make_unique<mpipe::AutocastGuard>(device.type(), torch::kBFloat16) : nullptr;
+  };
+  const auto params = plain->parameters();
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
+  const auto& loss_fn = transformer_lm::lm_loss;
+  json r = {{"blocks", n_blocks}, {"dim", dim}, {"context", context}, {"batch", batch},
+            {"micro_batches", m}, {"precision", bf16 ? "bf16 autocast" : "fp32"}};
+
+  // Each layer alone, per micro-batch, and the split that evens them out.
+  const auto costs = lm_bench::measure_layers(layers, x.narrow(0, 0, batch / m),
+                                              y.narrow(0, 0, batch / m), bf16,
+                                              [&] { timer.sync(); });
+  json layer_rows = json::array();
+  for (const auto& c : costs) {
+    layer_rows.push_back({{"forward_ms", c.forward}, {"backward_ms", c.backward},
+                          {"backward_input_ms", c.backward_input},
+                          {"backward_weight_ms", c.backward_weight}});
+  }
+  r["layers"] = layer_rows;
+  const auto split = lm_bench::split_of(costs, 4);
+  r["split"] = split;
+
+  r["plain_whole_ms"] = timer.median_ms([&] {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      const auto cast = scope();
+      loss = loss_fn(plain->forward(x), y);
+    }
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    opt.step();
+  });
+  r["plain_fair_ms"] = timer.median_ms([&] {  // as transformer_lm --plain does
+    opt.zero_grad();
+    const auto xs = x.chunk(m), ys = y.chunk(m);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      torch::Tensor part;
+      {
+        const auto cast = scope();
+        part = loss_fn(plain->forward(xs[i]), ys[i]) * (static_cast<double>(xs[i].size(0)) / batch);
+      }
+      part.backward();
+    }
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    opt.step();
+  });
+  r["optimizer_ms"] = timer.median_ms([&] {  // clipping and AdamW's step alone
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    opt.step();
+  });
+  for (bool automatic : {false, true}) {
+    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().auto_cuda_graphs(automatic));
+    int64_t at = 0;
+    for (int64_t n : split) {
+      torch::nn::Sequential stage;
+      for (int64_t k = 0; k < n; ++k) layers.push(stage, at + k);
+      at += n;
+      pipe->append(stage, device);
+    }
+    const auto options = mpipe::TrainStepOptions(mpipe::chunks(m));
+    auto step = [&] {
+      opt.zero_grad();
+      {
+        const auto cast = scope();
+        pipe->train_step(x, y, loss_fn, options);
+      }
+      mpipe::clip_grad_norm(*pipe, 1.0);
+      opt.step();
+    };
+    for (int k = 0; k < 4; ++k) step();  // automatic graphs: captured at the fourth
+    const std::string key = automatic ? "mpipe_default_ms" : "mpipe_eager_ms";
+    r[key] = timer.median_ms(step);
+    if (automatic) r["mpipe_default_graphs_held"] = pipe->cuda_graphs_captured();
+  }
+  const double fair = r["plain_fair_ms"];
+  r["eager_to_fair_plain"] = r["mpipe_eager_ms"].get<double>() / fair;
+  r["default_to_fair_plain"] = r["mpipe_default_ms"].get<double>() / fair;
+  r["whole_to_fair_plain"] = r["plain_whole_ms"].get<double>() / fair;
+
+  // Several devices, predicted: each stage on its own device with its own
+  // worker thread, a task costing its layers' measured time plus the
+  // runtime's cost per task (the overhead workload's, with threads); a
+  // hand-off of the activation (fp32 [rows, context, dim]) at 200 GB/s plus
+  // 10 µs; the optimizer's share of each device, optimizer_ms / D.
+  const json overhead = overhead_workload(timer, device);
+  const double host_ms = std::max(0.0, overhead["forward_threads_added_per_task_us"].get<double>()) / 1e3;
+  const double bytes = 4.0 * static_cast<double>(batch / m * context * dim);
+  const double transfer_ms = bytes / 200e9 * 1e3 + 0.010;
+  r["predicted_host_ms_per_task"] = host_ms;
+  r["predicted_transfer_ms"] = transfer_ms;
+  const std::pair<const char*, mpipe::Schedule> schedules[] = {
+      {"1f1b", mpipe::Schedule::OneFOneB},
+      {"interleaved", mpipe::Schedule::Interleaved1F1B},
+      {"zbh1", mpipe::Schedule::ZeroBubbleH1}};
+  for (int64_t d : {int64_t{2}, int64_t{4}, int64_t{8}}) {
+    for (const auto& s : schedules) {
+      const double span = lm_bench::predict_ms(costs, d, s.second, m, host_ms, transfer_ms);
+      const std::string key = "predicted_" + std::to_string(d) + "_devices_" + s.first;
+      if (span < 0) {
+        r[key + "_ms"] = nullptr;  // fewer layers than stages
+        continue;
+      }
+      const double step_ms = span + r["optimizer_ms"].get<double>() / static_cast<double>(d);
+      r[key + "_ms"] = step_ms;
+      r[key + "_speedup_vs_fair_plain"] = fair / step_ms;
+    }
+  }
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -875,7 +1012,7 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--only", cfg.only,
                  "comma-separated workloads: narrow-mlp, wide-mlp, snn-1024, snn-256, memory, "
-                 "schedules, wide-mlp-bf16, wide-mlp-bf16-linear, wide-mlp-bf16w, transformer, overhead, scaling "
+                 "schedules, wide-mlp-bf16, wide-mlp-bf16-linear, wide-mlp-bf16w, transformer, lm, overhead, scaling "
                  "(the last only when named or with 2+ GPUs)");
   app.add_option("--json", cfg.json_path, "write the results here");
   app.add_flag("--cpu-sizes", cfg.cpu_sizes, "shrink every workload (for CPUs and CI)");
@@ -1008,6 +1145,7 @@ int main(int argc, char** argv) {
                                         cfg.inline_host));
   }
   if (wanted("overhead")) report("overhead", overhead_workload(timer, device));
+  if (wanted("lm")) report("lm", lm_workload(timer, device, small));
   if (wanted("snn-1024")) {
     report("snn-1024", small ? snn_workload(timer, device, 128, 32, 32, cfg.inline_host)
                              : snn_workload(timer, device, 1024, 256, 32, cfg.inline_host));

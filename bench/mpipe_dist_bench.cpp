@@ -11,12 +11,21 @@
 // (worker threads). Also schedules::simulate's prediction for 4 and 8 devices
 // from the stage's measured cost per item.
 //
+// --lm: the transformer_lm example's model at its CPU defaults (2 blocks of
+// 64, context 64, batch 16 in 8 micro-batches, AdamW, clipping), one stage
+// per rank, its train_step (1F1B and ZB-H1) against the same model trained
+// plain in one thread on the same micro-batches (the fair baseline), and
+// schedules::simulate's prediction from each layer's measured cost.
+//
 //   mpipe-launch -n 2 -- build/bench/mpipe_dist_bench [--width 1024] [--split 32] ...
 //   mpipe-launch -n 2 -- build/bench/mpipe_dist_bench --snn [--T 8] [--grid 1x8,2x8,...]
+//   OPENBLAS_NUM_THREADS=1 mpipe-launch -n 2 -- build/bench/mpipe_dist_bench --lm
 
 #include <mpipe/mpipe.h>
 #include <mpipe/simulate.h>
 #include <mpipe/snn.h>
+
+#include "lm_costs.h"
 
 #include "mpipe/detail/runtime/programs.h"  // constant_train_step's programs, simulated
 
@@ -47,6 +56,8 @@ struct Config {
   int64_t warmup = 3;
   std::string json;
   bool snn = false;
+  bool lm = false;
+  double host_us = 4;  // --lm: the runtime's cost per task (bench/RESULTS.md, the CPU)
   int64_t T = 8;
   // micro-batches x time chunk (steps per item), e.g. "1x8,2x8,4x4"
   std::string grid = "1x8,1x4,1x2,1x1,2x8,4x8,8x8,2x4,4x4,4x2";
@@ -233,6 +244,181 @@ int snn_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   return 0;
 }
 
+/// --lm: see the file's comment.
+int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
+  const int64_t n = group.pipeline_size(), m = 8, vocab = 100, batch = 16, context = 64;
+  torch::manual_seed(0);
+  transformer_lm::Layers layers(vocab, /*layers=*/2, /*dim=*/64, /*heads=*/4, context);
+  const auto x = torch::randint(vocab, {batch, context}, torch::kLong);
+  const auto y = torch::randint(vocab, {batch, context}, torch::kLong);
+  const auto& loss_fn = transformer_lm::lm_loss;
+  auto none = [] {};
+  auto barrier = [&] { group.barrier(); };
+  auto make_opt = [](const std::vector<at::Tensor>& params) {
+    return std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
+  };
+  // Rank 0 alone: each layer's cost, the fair baseline, and a hand-off.
+  std::vector<lm_bench::LayerCost> costs(static_cast<size_t>(layers.size()));
+  double plain = 0, optimizer = 0;
+  if (group.rank() == 0) {
+    costs = lm_bench::measure_layers(layers, x.narrow(0, 0, batch / m), y.narrow(0, 0, batch / m),
+                                     false, none);
+    auto all = layers.all();
+    const auto params = all->parameters();
+    auto opt = make_opt(params);
+    plain = median_seconds(c, [&] {
+      opt->zero_grad();
+      const auto xs = x.chunk(m), ys = y.chunk(m);
+      for (size_t i = 0; i < xs.size(); ++i) {
+        (loss_fn(all->forward(xs[i]), ys[i]) * (static_cast<double>(xs[i].size(0)) / batch)).backward();
+      }
+      torch::nn::utils::clip_grad_norm_(params, 1.0);
+      opt->step();
+    }, none);
+    optimizer = median_seconds(c, [&] {
+      torch::nn::utils::clip_grad_norm_(params, 1.0);
+      opt->step();
+    }, none);
+  }
+  barrier();
+  for (auto& lc : costs) {  // rank 0's figures on every rank (the others give 0)
+    for (double* v : {&lc.forward, &lc.backward, &lc.backward_input, &lc.backward_weight}) {
+      *v = group.max(*v);
+    }
+  }
+  plain = group.max(plain);
+  optimizer = group.max(optimizer);
+  // The same plain step on every rank at once: how much slower a rank runs
+  // while the others compute (1 on a machine with a free core per rank; a
+  // shared or virtual machine gives less). The prediction is also given with
+  // the layers' costs scaled by it.
+  double together = 0;
+  {
+    torch::manual_seed(0);
+    transformer_lm::Layers copy(vocab, 2, 64, 4, context);
+    auto all = copy.all();
+    auto opt_copy = make_opt(all->parameters());
+    together = group.max(median_seconds(c, [&] {
+      opt_copy->zero_grad();
+      const auto xs = x.chunk(m), ys = y.chunk(m);
+      for (size_t i = 0; i < xs.size(); ++i) {
+        (loss_fn(all->forward(xs[i]), ys[i]) * (static_cast<double>(xs[i].size(0)) / batch)).backward();
+      }
+      torch::nn::utils::clip_grad_norm_(all->parameters(), 1.0);
+      opt_copy->step();
+    }, barrier));
+  }
+  const double contention = together / plain;
+  std::vector<lm_bench::LayerCost> contended = costs;
+  for (auto& lc : contended) {
+    for (double* v : {&lc.forward, &lc.backward, &lc.backward_input, &lc.backward_weight}) *v *= contention;
+  }
+  const auto split = lm_bench::split_of(costs, n);
+  // A hand-off between ranks: identity stages, m micro-batches of one
+  // activation each; the forward's time per micro-batch.
+  double handoff = 0;
+  {
+    mpipe::ModelPipeline ids(mpipe::ModelPipelineOptions().process_group(group));
+    const auto range = group.stage_range(n);
+    for (int64_t s = range.first; s < range.second; ++s) ids->append(torch::nn::Identity(), "cpu");
+    const auto acts = torch::randn({batch, context, 64});
+    handoff = median_seconds(c, [&] {
+      torch::NoGradGuard no_grad;
+      ids->forward(acts, mpipe::chunks(m));
+    }, barrier) / static_cast<double>(m);
+  }
+  nlohmann::json layer_rows = nlohmann::json::array();
+  for (const auto& lc : costs) {
+    layer_rows.push_back({{"forward_ms", lc.forward}, {"backward_ms", lc.backward},
+                          {"backward_input_ms", lc.backward_input},
+                          {"backward_weight_ms", lc.backward_weight}});
+  }
+  nlohmann::json out = {{"ranks", n}, {"micro_batches", m}, {"split", split}, {"layers", layer_rows},
+                        {"plain_fair_ms", 1e3 * plain}, {"optimizer_ms", 1e3 * optimizer},
+                        {"handoff_ms", 1e3 * handoff}, {"host_us_per_task", c.host_us},
+                        {"plain_fair_all_ranks_at_once_ms", 1e3 * together},
+                        {"contention", contention}};
+  // The same stages in one process, a worker thread each (rank 0 alone).
+  auto stages_of = [&] {
+    std::vector<torch::nn::Sequential> stages;
+    int64_t at = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      torch::nn::Sequential stage;
+      for (int64_t k = 0; k < split[static_cast<size_t>(s)]; ++k) layers.push(stage, at + k);
+      at += split[static_cast<size_t>(s)];
+      stages.push_back(stage);
+    }
+    return stages;
+  };
+  if (group.rank() == 0) {
+    mpipe::ModelPipeline one;
+    for (const auto& s : stages_of()) one->append(s, "cpu");
+    auto one_opt = make_opt(one->parameters());
+    const auto options = mpipe::TrainStepOptions(mpipe::chunks(m));
+    out["one_process_threads_1f1b_ms"] = 1e3 * median_seconds(c, [&] {
+      one_opt->zero_grad();
+      one->train_step(x, y, loss_fn, options);
+      mpipe::clip_grad_norm(*one, 1.0);
+      one_opt->step();
+    }, none);
+  }
+  barrier();
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group));
+  {
+    const auto range = group.stage_range(n);
+    int64_t at = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      torch::nn::Sequential stage;
+      for (int64_t k = 0; k < split[static_cast<size_t>(s)]; ++k) layers.push(stage, at + k);
+      at += split[static_cast<size_t>(s)];
+      if (s >= range.first && s < range.second) pipe->append(stage, "cpu");
+    }
+  }
+  auto opt = make_opt(pipe->parameters());
+  const std::pair<const char*, mpipe::Schedule> schedules[] = {
+      {"1f1b", mpipe::Schedule::OneFOneB}, {"zbh1", mpipe::Schedule::ZeroBubbleH1}};
+  for (const auto& sc : schedules) {
+    const auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
+    const double t = median_seconds(c, [&] {
+      opt->zero_grad();
+      pipe->train_step(x, y, loss_fn, options);
+      mpipe::clip_grad_norm(*pipe, 1.0);
+      opt->step();
+    }, barrier);
+    const double predicted =
+        lm_bench::predict_ms(costs, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
+        1e3 * optimizer / static_cast<double>(n);
+    const double predicted_contended =
+        lm_bench::predict_ms(contended, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
+        1e3 * optimizer * contention / static_cast<double>(n);
+    out[sc.first] = {{"measured_ms", 1e3 * t}, {"predicted_ms", predicted},
+                     {"measured_to_predicted", 1e3 * t / predicted},
+                     {"predicted_with_contention_ms", predicted_contended},
+                     {"measured_to_predicted_with_contention", 1e3 * t / predicted_contended},
+                     {"speedup_vs_fair_plain", plain / t},
+                     {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
+  }
+  barrier();
+  if (group.rank() == 0) {
+    std::printf("%s\n", out.dump(2).c_str());
+    for (const auto& sc : schedules) {
+      const auto& e = out[sc.first];
+      std::printf("lm %s on %lld ranks: %.1f ms measured, %.1f ms predicted (%.2f), %.1f ms "
+                  "with the ranks' contention %.2f (%.2f); fair plain baseline %.1f ms: %.2fx "
+                  "measured, %.2fx predicted\n",
+                  sc.first, static_cast<long long>(n), e["measured_ms"].get<double>(),
+                  e["predicted_ms"].get<double>(), e["measured_to_predicted"].get<double>(),
+                  e["predicted_with_contention_ms"].get<double>(), contention,
+                  e["measured_to_predicted_with_contention"].get<double>(), 1e3 * plain,
+                  e["speedup_vs_fair_plain"].get<double>(),
+                  e["predicted_speedup_vs_fair_plain"].get<double>());
+    }
+    if (!c.json.empty()) std::ofstream(c.json) << out.dump(2) << "\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -248,12 +434,15 @@ int main(int argc, char** argv) {
   app.add_flag("--snn", c.snn, "an SNN training step as micro-batches x time chunks instead");
   app.add_option("--T", c.T, "--snn: time steps")->check(CLI::PositiveNumber);
   app.add_option("--grid", c.grid, "--snn: micro-batches x time chunk pairs, e.g. 1x8,2x8,4x4");
+  app.add_flag("--lm", c.lm, "the transformer_lm example's model instead, against the prediction");
+  app.add_option("--host-us", c.host_us, "--lm: the runtime's cost per task for the prediction (µs)");
   CLI11_PARSE(app, argc, argv);
 
   at::set_num_threads(1);
   at::set_num_interop_threads(1);
   auto group = mpipe::distributed::init_from_env();
   if (c.snn) return snn_main(c, group);
+  if (c.lm) return lm_main(c, group);
   const int64_t n = group.pipeline_size();
   const auto stages = make_stages(c, n);
   torch::manual_seed(1);
