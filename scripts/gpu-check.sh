@@ -15,8 +15,9 @@
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
 # training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
-# lm = the transformer language model through the pipeline, then --plain, then
-# --plain --micro-batches 1 (data
+# lm = the transformer language model through the pipeline (default options:
+# its steps replayed from CUDA graphs), then eager (--graphs off), then --plain,
+# then --plain --micro-batches 1 (data
 # from .devdata/fortunes, extra flags in MPIPE_LM_FLAGS; loss curves come back);
 # ops = mpipe_bench --count-ops (the ATen operations of one call per row, on
 # the GPU's code paths) of $MPIPE_OPS_ONLY, by name in ops.tar.gz;
@@ -161,8 +162,9 @@ if [[ " $steps " == *" snn "* ]]; then
   [ -f /tmp/snn_out/accuracy.svg ] && cp /tmp/snn_out/accuracy.svg "$out/snn_accuracy.svg"
 fi
 if [[ " $steps " == *" lm "* ]]; then
-  for mode in pipeline plain plain_whole_batch; do
+  for mode in pipeline pipeline_eager plain plain_whole_batch; do
     flag=""
+    [ "$mode" = pipeline_eager ] && flag="--graphs off"
     [ "$mode" = plain ] && flag="--plain"  # the same micro-batches, accumulated
     [ "$mode" = plain_whole_batch ] && flag="--plain --micro-batches 1"
     step "transformer_lm_$mode" bash -o pipefail -c "timeout ${MPIPE_LM_TIMEOUT:-300} \
