@@ -29,6 +29,7 @@ struct GraphKey {
   bool reduce = false;     // constant_forward, sequence_forward
   int64_t time_chunk = 0;  // their steps per stage call (0: single steps)
   int schedule = -1;       // train_step: Schedule
+  int64_t virtual_stages = 1;  // train_step: stages per worker (interleaved)
   int reduction = -1;      // train_step: LossReduction
   std::vector<int64_t> input_sizes;
   c10::ScalarType input_dtype = c10::ScalarType::Undefined;
@@ -40,7 +41,8 @@ struct GraphKey {
   std::string loss;        // training steps: which loss function (loss_identity)
 
   std::string str() const {
-    return c10::str(method, "|", items, "|", rows, "|", reduce, "|", time_chunk, "|", schedule, "|", reduction, "|",
+    return c10::str(method, "|", items, "|", rows, "|", reduce, "|", time_chunk, "|", schedule,
+                    "|", virtual_stages, "|", reduction, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
                     training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast,

@@ -62,6 +62,7 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
   key.reduce = info.reduce != 0;
   key.time_chunk = info.time_chunk;
   key.schedule = static_cast<int>(info.schedule);
+  key.virtual_stages = info.virtual_stages;
   key.reduction = static_cast<int>(info.reduction);
   key.input_sizes = x.sizes().vec();
   key.input_dtype = x.scalar_type();
