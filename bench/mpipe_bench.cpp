@@ -791,6 +791,35 @@ json transformer_workload(const Timer& timer, const torch::Device& device, int64
   return r;
 }
 
+/// Medians (ms) of `calls`, each timed once per repetition in turn, so that
+/// a machine whose speed drifts during the run slows them alike. With
+/// --count-ops, each call's ATen operations (Timer::median_ms).
+std::vector<double> interleaved_ms(const Timer& timer, const std::vector<std::function<void()>>& calls) {
+  std::vector<double> out;
+  if (timer.ops) {
+    for (const auto& c : calls) out.push_back(timer.median_ms(c));
+    return out;
+  }
+  for (int64_t i = 0; i < timer.warmup; ++i) {
+    for (const auto& c : calls) c();
+  }
+  timer.sync();
+  std::vector<std::vector<double>> ms(calls.size());
+  for (int64_t rep = 0; rep < timer.reps; ++rep) {
+    for (size_t k = 0; k < calls.size(); ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      calls[k]();
+      timer.sync();
+      ms[k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    out.push_back(m.size() % 2 ? m[m.size() / 2] : (m[m.size() / 2 - 1] + m[m.size() / 2]) / 2);
+  }
+  return out;
+}
+
 /// The runtime's own cost per task: 4 stages of one Linear(4, 4) and 8
 /// micro-batches of one row, so the work is nothing and the time is host
 /// overhead. Plain: the same 32 stage calls in a loop on the caller's thread.
@@ -804,38 +833,56 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
   const auto x = torch::randn({8, 4}, torch::TensorOptions(device));
   const auto y = torch::randn({8, 4}, torch::TensorOptions(device));
   auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return (o - t).pow(2).mean(); };
-  json r;
-  {
-    torch::NoGradGuard no_grad;
-    r["plain_32_calls_us"] = 1e3 * timer.median_ms([&] {
-      for (int i = 0; i < 8; ++i) {
-        torch::Tensor h = x.narrow(0, i, 1);
-        for (auto& st : stages) h = st->forward(h);
-      }
-    });
-  }
-  r["plain_32_calls_train_us"] = 1e3 * timer.median_ms([&] {
-    for (int i = 0; i < 8; ++i) {
-      torch::Tensor h = x.narrow(0, i, 1);
-      for (auto& st : stages) h = st->forward(h);
-      loss_fn(h, y.narrow(0, i, 1)).backward();
-    }
-  });
-  for (bool threads : {true, false}) {
-    // The runtime's own cost: eager calls (no automatic graphs).
+  // The runtime's own cost: eager calls (no automatic graphs), with worker
+  // threads and inline, against the plain loop of the same 32 stage calls.
+  // The three are timed in turn within each repetition (interleaved_ms): the
+  // machine's speed drifts by tens of percent between runs, and a difference
+  // of a few µs per call would drown in it.
+  auto make = [&](bool threads) {
     mpipe::ModelPipeline pipe(
         mpipe::ModelPipelineOptions().worker_threads(threads).auto_cuda_graphs(false));
     for (auto& st : stages) pipe->append(st, device);
-    const std::string mode = threads ? "threads" : "inline";
-    {
-      torch::NoGradGuard no_grad;
-      r["forward_" + mode + "_us"] = 1e3 * timer.median_ms([&] { pipe->forward(x, 1); });
-    }
-    r["train_step_" + mode + "_us"] = 1e3 * timer.median_ms([&] {
-      pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(1));
-    });
-    // The runtime's own cost: what the pipeline adds to the plain loop, per
-    // call and per task, and the ratio that the smoke test guards.
+    return pipe;
+  };
+  mpipe::ModelPipeline threaded = make(true), inline_ = make(false);
+  json r;
+  {
+    torch::NoGradGuard no_grad;
+    const auto ms = interleaved_ms(timer, {[&] {
+                                             for (int i = 0; i < 8; ++i) {
+                                               torch::Tensor h = x.narrow(0, i, 1);
+                                               for (auto& st : stages) h = st->forward(h);
+                                             }
+                                           },
+                                           [&] { threaded->forward(x, 1); },
+                                           [&] { inline_->forward(x, 1); }});
+    r["plain_32_calls_us"] = 1e3 * ms[0];
+    r["forward_threads_us"] = 1e3 * ms[1];
+    r["forward_inline_us"] = 1e3 * ms[2];
+  }
+  {
+    const auto ms = interleaved_ms(timer, {[&] {
+                                             for (int i = 0; i < 8; ++i) {
+                                               torch::Tensor h = x.narrow(0, i, 1);
+                                               for (auto& st : stages) h = st->forward(h);
+                                               loss_fn(h, y.narrow(0, i, 1)).backward();
+                                             }
+                                           },
+                                           [&] {
+                                             threaded->train_step(x, y, loss_fn,
+                                                                  mpipe::TrainStepOptions(1));
+                                           },
+                                           [&] {
+                                             inline_->train_step(x, y, loss_fn,
+                                                                 mpipe::TrainStepOptions(1));
+                                           }});
+    r["plain_32_calls_train_us"] = 1e3 * ms[0];
+    r["train_step_threads_us"] = 1e3 * ms[1];
+    r["train_step_inline_us"] = 1e3 * ms[2];
+  }
+  for (const std::string mode : {"threads", "inline"}) {
+    // What the pipeline adds to the plain loop, per call and per task, and
+    // the ratio that the smoke test guards.
     const double fwd = r["forward_" + mode + "_us"], train = r["train_step_" + mode + "_us"];
     const double plain_fwd = r["plain_32_calls_us"], plain_train = r["plain_32_calls_train_us"];
     r["forward_" + mode + "_per_task_us"] = fwd / 32;
