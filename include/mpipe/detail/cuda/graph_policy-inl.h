@@ -216,11 +216,12 @@ MPIPE_FUNC GraphPolicy::AutoGraph& GraphPolicy::seen(const std::string& key) {
 }
 
 MPIPE_FUNC at::Tensor GraphPolicy::replay_step(ModelPipelineImpl& pipeline, const std::string& key,
+                                               const std::vector<at::Tensor>& params,
                                                const at::Tensor& x, const at::Tensor& target,
                                                const EagerStep& eager, bool failure_throws) {
   PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
   at::Tensor loss = run_graphed_step(
-      *cache_, key, {x, target}, pipeline.parameters(),
+      *cache_, key, {x, target}, params,
       [&](const std::vector<at::Tensor>& in) { return eager(in[0], in[1], /*threaded=*/false); },
       [&pipeline] { reset_states(pipeline); }, failure_throws);
   if (loss.defined()) reset_states(pipeline);  // Note [CUDA graphs]: state does not outlive a graphed call
@@ -244,14 +245,15 @@ MPIPE_FUNC at::Tensor GraphPolicy::step(ModelPipelineImpl& pipeline, const Stage
     if (!could_graph(pipeline, stages, x)) return {};
   }
   const std::string k = graph_key(pipeline, key);
-  if (!automatic) return replay_step(pipeline, k, x, target, eager, /*failure_throws=*/true);
+  const std::vector<at::Tensor> params = pipeline.parameters();
+  if (!automatic) return replay_step(pipeline, k, params, x, target, eager, /*failure_throws=*/true);
   if (key.method == "train_step") {
     for (const auto& stage : stages.stateful) {
       if (!stage.empty()) return {};  // an eager train_step carries state to the next
     }
   }
   AutoGraph& s = seen(k);
-  const Held held = holds_step(*cache_, k, pipeline.parameters());
+  const Held held = holds_step(*cache_, k, params);
   if (held == Held::Moved && ++s.moved > kAutoMoves) s.refused = true;
   if (s.refused) return {};
   if (held != Held::Held) {
@@ -266,7 +268,7 @@ MPIPE_FUNC at::Tensor GraphPolicy::step(ModelPipelineImpl& pipeline, const Stage
   }
   // Undefined: the capture failed (the key stays eager), or the step must run
   // eagerly this time (Note [Graphed training steps]).
-  return replay_step(pipeline, k, x, target, eager, /*failure_throws=*/false);
+  return replay_step(pipeline, k, params, x, target, eager, /*failure_throws=*/false);
 }
 
 MPIPE_FUNC void GraphPolicy::drop() {

@@ -77,8 +77,8 @@ class GraphPolicy {
   /// when it is to run eagerly (run_graphed_step). A failed capture throws
   /// with `failure_throws`, else gives undefined.
   at::Tensor replay_step(ModelPipelineImpl& pipeline, const std::string& key,
-                         const at::Tensor& x, const at::Tensor& target, const EagerStep& eager,
-                         bool failure_throws);
+                         const std::vector<at::Tensor>& params, const at::Tensor& x,
+                         const at::Tensor& target, const EagerStep& eager, bool failure_throws);
   /// The bookkeeping of Note [Automatic CUDA graphs] for `key`: the entry,
   /// emptied when the map grows past its bound.
   AutoGraph& seen(const std::string& key);

@@ -30,7 +30,11 @@ namespace detail {
 // Spinning takes a core from whoever does the work, so it is on only where
 // cores are to spare: 8 or more hardware threads (off on the 2-core build
 // machine, where the threads' cost already met its bound). MPIPE_SPIN_US
-// sets the limit in µs (0: never spin), for measurements.
+// sets the limit in µs (0: never spin), for measurements. Not yet shown to
+// pay: on one H100 the overhead workload did not tell spinning from not
+// spinning (5-13 against 9-17 µs per forward task, the plain loop itself
+// moving as much between runs; bench/RESULTS.md, issue 48), so measure it
+// again with the interleaved timing before relying on it.
 inline std::chrono::microseconds spin_limit() {
   static const std::chrono::microseconds limit = [] {
     if (const char* v = std::getenv("MPIPE_SPIN_US")) {
