@@ -6,6 +6,7 @@
 #include "mpipe/detail/cuda/graph_policy-inl.h"
 #include "mpipe/detail/pipeline/device-inl.h"
 #include "mpipe/detail/pipeline/grad_norm-inl.h"
+#include "mpipe/detail/pipeline/job_checkpoints-inl.h"
 #include "mpipe/detail/pipeline/memory-inl.h"
 #include "mpipe/detail/pipeline/micro_batch_calls-inl.h"
 #include "mpipe/detail/pipeline/model_pipeline-inl.h"

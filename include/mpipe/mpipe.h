@@ -13,6 +13,7 @@
 #include <mpipe/device.h>
 #include <mpipe/grad_norm.h>
 #include <mpipe/grad_scaler.h>
+#include <mpipe/job_checkpoints.h>
 #include <mpipe/linear.h>
 #include <mpipe/memory.h>
 #include <mpipe/model_pipeline.h>
