@@ -53,8 +53,8 @@ class JobCheckpoints {
                  torch::optim::Optimizer& optimizer, GradScaler* scaler = nullptr,
                  int64_t keep = 2);
 
-  /// Saves step `step` (and `data_position`, any bytes) into
-  /// `directory`/step-<step>: each rank writes its own file whole or not at
+  /// Saves step `step` (and `data_position`, any bytes) into the folder
+  /// step-N of `directory` (N = `step`): each rank writes its own file whole or not at
   /// all (a temporary file, a checksum, then a rename), then, once every rank
   /// has, rank 0 marks the checkpoint complete and removes the ones past
   /// `keep`. Returns the checkpoint's folder. Throws c10::Error if a file

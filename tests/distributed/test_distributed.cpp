@@ -12,9 +12,14 @@
 #include <mpipe/distributed.h>
 #include <mpipe/grad_norm.h>
 #include <mpipe/grad_scaler.h>
+#include <mpipe/job_checkpoints.h>
 #include <mpipe/snn.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/adam.h>
+
 #include <chrono>
+#include <filesystem>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -753,6 +758,72 @@ TEST(Distributed, EachRankSavesAndLoadsItsStages) {
   const at::Tensor x = input(5);
   const at::Tensor out = other->forward(x, 2);
   if (group().is_last()) expect_close(out, plain(stages, x), "after load");
+}
+
+// mpipe::JobCheckpoints across ranks: each rank saves its part; a job
+// resumed on every rank ends bit for bit where the uninterrupted one does; a
+// torn file on one rank makes every rank fall back to the checkpoint before.
+TEST(Distributed, JobCheckpointsResumeEveryRankBitForBit) {
+  const int64_t n = group().pipeline_size() * 2;  // two stages per rank
+  const std::string dir = testing::TempDir() + "mpipe_job_" + std::to_string(::getppid());
+  if (group().rank() == 0) std::filesystem::remove_all(dir);
+  group().barrier();
+  struct Run {
+    mpipe::ModelPipeline pipe;
+    std::unique_ptr<torch::optim::Adam> opt;
+    std::unique_ptr<mpipe::JobCheckpoints> checkpoints;
+    Run(const Stages& stages, const std::string& dir)
+        : pipe(make_pipe(stages)),
+          opt(std::make_unique<torch::optim::Adam>(pipe->parameters(), torch::optim::AdamOptions(1e-2))),
+          checkpoints(std::make_unique<mpipe::JobCheckpoints>(dir, *pipe, *opt)) {}
+    /// Step k (its batch from k alone); the loss on the last rank.
+    double step(int64_t k) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + k);
+      const auto x = torch::randn({8, 6}, gen, torch::kDouble);
+      const auto y = torch::randn({8, 3}, gen, torch::kDouble);
+      opt->zero_grad();
+      const auto loss = pipe->train_step(x, y, mse, mpipe::TrainStepOptions(2));
+      opt->step();
+      return loss.defined() ? loss.item<double>() : 0.0;
+    }
+  };
+  Run a(make_model(n), dir);
+  std::vector<double> losses;
+  for (int64_t k = 0; k < 6; ++k) {
+    losses.push_back(a.step(k));
+    if (k == 1 || k == 2) a.checkpoints->save(k + 1, "batch " + std::to_string(k + 1));
+  }
+  {
+    Run b(make_model(n, 6, 99), dir);  // other weights: all of them come from the checkpoint
+    const auto resumed = b.checkpoints->resume();
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->step, 3);
+    EXPECT_EQ(resumed->data_position, "batch 3");
+    for (int64_t k = resumed->step; k < 6; ++k) {
+      EXPECT_EQ(b.step(k), losses[static_cast<size_t>(k)]) << "step " << k;
+    }
+    const auto want = a.pipe->parameters(), got = b.pipe->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t p = 0; p < got.size(); ++p) EXPECT_TRUE(torch::equal(got[p], want[p])) << p;
+  }
+  // The last rank's file of step 3 torn: every rank resumes from step 2.
+  const std::string torn = dir + "/step-3/rank-" + std::to_string(group().world_size() - 1) + ".ckpt";
+  if (group().rank() == group().world_size() - 1) {
+    std::filesystem::resize_file(torn, std::filesystem::file_size(torn) / 3);
+  }
+  group().barrier();
+  Run c(make_model(n, 6, 99), dir);
+  const auto resumed = c.checkpoints->resume();
+  ASSERT_TRUE(resumed.has_value());
+  EXPECT_EQ(resumed->step, 2);
+  ASSERT_EQ(resumed->skipped.size(), 1u);
+  const std::string why = group().rank() == group().world_size() - 1
+                              ? "rank " + std::to_string(group().rank()) + "'s file " + torn +
+                                    ": it is truncated"
+                              : "refused by another rank";
+  EXPECT_NE(resumed->skipped[0].find(why), std::string::npos) << resumed->skipped[0];
+  group().barrier();
+  if (group().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(Distributed, ReplicasTrainLikeOneProcessOnTheWholeBatch) {
