@@ -1,7 +1,7 @@
 // mpipe-launch: runs N copies of a program as the ranks of one job on this
 // machine, the way torchrun does for LibTorch programs, without Python.
 //
-//   mpipe-launch -n N [--timeout S] [--master-port P] -- ./app args...
+//   mpipe-launch -n N [--timeout S] [--master-port P] [--max-restarts R] -- ./app args...
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 // (127.0.0.1) and MASTER_PORT (a free port unless given), its stdout and
@@ -10,7 +10,11 @@
 // the launcher exits with that rank's status (the first seen failing; the
 // lowest when several are seen at once); past --timeout seconds it ends them
 // all and exits 124; on SIGINT or SIGTERM it ends them and exits 130. Exit 2:
-// bad usage or a launch that could not start.
+// bad usage or a launch that could not start. With --max-restarts R, a job
+// whose rank failed is started again, every rank, up to R times (each time
+// on a new port, TORCHELASTIC_RESTART_COUNT telling the ranks which restart
+// this is, as torchrun does); the program resumes from its checkpoints
+// (mpipe::JobCheckpoints). --timeout bounds the whole job, restarts included.
 
 #include <CLI/CLI.hpp>
 
@@ -140,47 +144,18 @@ void signal_all(std::vector<Rank>& ranks, int sig) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // Everything after "--" is the program and its arguments.
-  int split = 1;
-  while (split < argc && std::strcmp(argv[split], "--") != 0) ++split;
-  if (split >= argc - 1) {
-    std::fprintf(stderr, "mpipe-launch: usage: mpipe-launch -n N [--timeout S] "
-                         "[--master-port P] -- PROGRAM [ARGS...]\n");
-    return 2;
-  }
-  int n = 0, port = 0;
-  double timeout = 0;
-  CLI::App app{"mpipe-launch: run N ranks of a program on this machine"};
-  app.add_option("-n,--nproc", n, "number of ranks")->required()->check(CLI::Range(1, 1024));
-  app.add_option("--timeout", timeout, "seconds before every rank is ended (0: none)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--master-port", port, "MASTER_PORT (default: a free port)")
-      ->check(CLI::Range(0, 65535));
-  try {
-    app.parse(split, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  int held = -1;  // the port's socket, open until this process exits
-  if (port == 0) port = free_port(&held);
-  if (port <= 0) {
-    std::fprintf(stderr, "mpipe-launch: no free port on 127.0.0.1: %s\n", std::strerror(errno));
-    return 2;
-  }
-  signal(SIGINT, on_signal);
-  signal(SIGTERM, on_signal);
-  signal(SIGPIPE, SIG_IGN);
-
+/// Runs one attempt of the job: n ranks of `program`, until all have exited
+/// (see the file's comment); returns the launcher's exit status for it, or -1
+/// when a rank could not be started.
+int run_job(int n, int port, double timeout, std::chrono::steady_clock::time_point start,
+            int attempt, char** program) {
   std::vector<Rank> ranks(static_cast<size_t>(n));
   for (int k = 0; k < n; ++k) {
     int fds[2];
     if (pipe(fds) != 0) {
       std::perror("mpipe-launch: pipe");
       signal_all(ranks, SIGKILL);
-      return 2;
+      return -1;  // the launch could not start
     }
     const pid_t pid = fork();
     if (pid == 0) {
@@ -195,11 +170,12 @@ int main(int argc, char** argv) {
       setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
       // As torchrun: one intra-op thread per rank unless the user chose, so
       // N ranks do not oversubscribe the cores.
       if (n > 1) setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
-      execvp(argv[split + 1], argv + split + 1);
-      std::fprintf(stderr, "mpipe-launch: cannot run %s: %s\n", argv[split + 1],
+      execvp(program[0], program);
+      std::fprintf(stderr, "mpipe-launch: cannot run %s: %s\n", program[0],
                    std::strerror(errno));
       _exit(127);
     }
@@ -207,7 +183,7 @@ int main(int argc, char** argv) {
     if (pid < 0) {
       std::perror("mpipe-launch: fork");
       signal_all(ranks, SIGKILL);
-      return 2;
+      return -1;  // the launch could not start
     }
     setpgid(pid, pid);  // also here: no race with the child's own call
     fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
@@ -215,7 +191,6 @@ int main(int argc, char** argv) {
   }
 
   using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   int failed = -1;        // the first rank that failed
   bool ending = false;    // SIGTERM sent to all
@@ -275,4 +250,61 @@ int main(int argc, char** argv) {
   if (result != 0) return result;
   if (failed >= 0) return ranks[static_cast<size_t>(failed)].status;
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Everything after "--" is the program and its arguments.
+  int split = 1;
+  while (split < argc && std::strcmp(argv[split], "--") != 0) ++split;
+  if (split >= argc - 1) {
+    std::fprintf(stderr, "mpipe-launch: usage: mpipe-launch -n N [--timeout S] "
+                         "[--master-port P] [--max-restarts R] -- PROGRAM [ARGS...]\n");
+    return 2;
+  }
+  int n = 0, port = 0, max_restarts = 0;
+  double timeout = 0;
+  CLI::App app{"mpipe-launch: run N ranks of a program on this machine"};
+  app.add_option("-n,--nproc", n, "number of ranks")->required()->check(CLI::Range(1, 1024));
+  app.add_option("--timeout", timeout, "seconds before every rank is ended (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--master-port", port, "MASTER_PORT (default: a free port)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--max-restarts", max_restarts,
+                 "start every rank again after a rank failed, up to this many times (default 0)")
+      ->check(CLI::Range(0, 1000));
+  try {
+    app.parse(split, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  int held = -1;  // the port's socket, open until this process exits
+  if (port == 0) port = free_port(&held);
+  if (port <= 0) {
+    std::fprintf(stderr, "mpipe-launch: no free port on 127.0.0.1: %s\n", std::strerror(errno));
+    return 2;
+  }
+  signal(SIGINT, on_signal);
+  signal(SIGTERM, on_signal);
+  signal(SIGPIPE, SIG_IGN);
+
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) {  // a new port: the last job's store may still hold the old one
+      if (held >= 0) close(held);
+      held = -1;
+      port = free_port(&held);
+      if (port <= 0) {
+        std::fprintf(stderr, "mpipe-launch: no free port on 127.0.0.1: %s\n", std::strerror(errno));
+        return 2;
+      }
+    }
+    const int result = run_job(n, port, timeout, start, attempt, argv + split + 1);
+    if (result < 0) return 2;
+    if (result == 0 || result == 124 || result == 130 || attempt >= max_restarts) return result;
+    std::fprintf(stderr, "mpipe-launch: restarting all %d ranks (restart %d of %d)\n", n,
+                 attempt + 1, max_restarts);
+  }
 }
