@@ -4,7 +4,7 @@
 // bit for bit (tests/resume_check.cmake runs both and compares).
 //
 //   mpipe-launch -n 3 --max-restarts 3 -- mpipe_resume_job --dir D --out O \
-//     --fault 0:1:37 --fault 1:2:80:save [--replicas 2] [--steps 200] [--every 10]
+//     --fault 0:1:37 --fault 1:2:80:save [--replicas 2] [--steps 120] [--every 10]
 //   mpipe_resume_job --compare O1 O2 --world 3
 //
 // --fault A:R:S[:save|:stall]: on attempt A (TORCHELASTIC_RESTART_COUNT), rank
@@ -101,7 +101,7 @@ int compare(const std::string& a, const std::string& b, int64_t world) {
 int main(int argc, char** argv) {
   std::string dir, out, compare_a, compare_b;
   std::vector<Fault> faults;
-  int64_t steps = 200, every = 10, replicas = 1, world = 0;
+  int64_t steps = 120, every = 10, replicas = 1, world = 0;
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
     auto next = [&] { return std::string(argv[++k]); };
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   const int64_t attempt = restart ? std::stoll(restart) : 0;
   at::set_num_threads(1);
   auto group = mpipe::distributed::init_from_env(
-      mpipe::distributed::GroupOptions().replicas(replicas).timeout(std::chrono::seconds(5)));
+      mpipe::distributed::GroupOptions().replicas(replicas).timeout(std::chrono::seconds(3)));
   const int64_t rank = group.rank();
   const int64_t n = group.pipeline_size() * 2;
   const auto stages = make_stages(n);
