@@ -58,7 +58,8 @@ class JobCheckpoints {
   /// all (a temporary file, a checksum, then a rename), then, once every rank
   /// has, rank 0 marks the checkpoint complete and removes the ones past
   /// `keep`. Returns the checkpoint's folder. Throws c10::Error if a file
-  /// cannot be written.
+  /// cannot be written (the other ranks then fail in save's barrier, within
+  /// the group's timeout, and the checkpoint never counts).
   std::string save(int64_t step, const std::string& data_position = "");
 
   /// Loads the newest checkpoint that every rank holds whole and that
