@@ -38,7 +38,7 @@ for mode in "${modes[@]}"; do
     -DCMAKE_SHARED_LINKER_FLAGS="$flags" "${mode_args[@]}"
   # The tests and what ctest runs besides them (mpipe-launch, when CLI11 is there).
   targets=(mpipe_tests)
-  for t in mpipe-launch mpipe_dist_tests mpipe_dist_stress mpipe_header_check; do
+  for t in mpipe-launch mpipe_dist_tests mpipe_dist_stress mpipe_resume_job mpipe_header_check; do
     grep -q "build $t:" "$build/build.ninja" && targets+=("$t")
   done
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"

@@ -19,7 +19,6 @@
 // the file layout and the rules.
 
 #include <mpipe/grad_scaler.h>
-#include <mpipe/model_pipeline.h>
 
 #include <torch/optim/optimizer.h>
 
@@ -29,6 +28,8 @@
 #include <vector>
 
 namespace mpipe {
+
+class ModelPipelineImpl;
 
 /// Saves and resumes a pipeline job: the stages of this rank, its optimizer
 /// (and GradScaler), the random generators (the CPU's, from which every

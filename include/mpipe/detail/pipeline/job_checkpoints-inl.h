@@ -4,6 +4,8 @@
 
 #include "mpipe/job_checkpoints.h"
 
+#include "mpipe/model_pipeline.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
