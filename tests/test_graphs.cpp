@@ -100,6 +100,21 @@ torch::nn::Sequential copy_of(const torch::nn::Sequential& s) {
   return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s->clone()));
 }
 
+/// Two spiking stages with equal weights, Linear(32, 32) then a LIF neuron,
+/// strong enough that every layer fires; separate modules (neurons are not
+/// Cloneable).
+std::pair<torch::nn::Sequential, torch::nn::Sequential> firing_stages() {
+  torch::nn::Linear fc(32, 32);
+  {
+    torch::NoGradGuard no_grad;
+    fc->weight.mul_(3);
+    fc->bias.fill_(1.2);
+  }
+  auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
+  return {torch::nn::Sequential(fc, mpipe::snn::LIFNode()),
+          torch::nn::Sequential(torch::nn::Linear(fc_copy), mpipe::snn::LIFNode())};
+}
+
 /// Clears or zeroes gradients the ways users do, by step number: set to None,
 /// zeroed in place, or kept (accumulate).
 void prepare_grads(torch::nn::Module& m, int step) {
@@ -220,16 +235,9 @@ TEST(CudaGraphs, GraphedConstantTrainStepMatchesEagerSteps_CUDA) {
   auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   auto graphed = ModelPipeline(ModelPipelineOptions().cuda_graphs(true));
   for (int i = 0; i < 4; ++i) {
-    torch::nn::Linear fc(32, 32);
-    {
-      torch::NoGradGuard no_grad;  // strong enough that every layer fires
-      fc->weight.mul_(3);
-      fc->bias.fill_(1.2);
-    }
-    // Equal weights, separate modules (neurons are not Cloneable).
-    auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
-    eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
-    graphed->append(torch::nn::Sequential(torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()), g);
+    const auto stages = firing_stages();
+    eager->append(stages.first, g);
+    graphed->append(stages.second, g);
   }
   HostCalls host;
   graphed->append(host, g);
@@ -665,17 +673,10 @@ TEST(AutoCudaGraphs, ConstantTrainStepsOfNeuronsAreReplayedWithEagerResults_CUDA
   auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   HostCalls host;
   for (int i = 0; i < 3; ++i) {
-    torch::nn::Linear fc(32, 32);
-    {
-      torch::NoGradGuard no_grad;  // strong enough that every layer fires
-      fc->weight.mul_(3);
-      fc->bias.fill_(1.2);
-    }
-    auto fc_copy = std::dynamic_pointer_cast<torch::nn::LinearImpl>(fc->clone());
-    eager->append(torch::nn::Sequential(fc, mpipe::snn::LIFNode()), g);
-    torch::nn::Sequential s{torch::nn::Linear(fc_copy), mpipe::snn::LIFNode()};
-    if (i == 0) s->push_back(host);
-    automatic->append(s, g);
+    const auto stages = firing_stages();
+    eager->append(stages.first, g);
+    if (i == 0) stages.second->push_back(host);
+    automatic->append(stages.second, g);
   }
   torch::optim::SGD opt_auto(automatic->parameters(), 0.05), opt_eager(eager->parameters(), 0.05);
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& labels) {
