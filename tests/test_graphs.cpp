@@ -673,7 +673,7 @@ TEST(AutoCudaGraphs, ConstantTrainStepsOfNeuronsAreReplayedWithEagerResults_CUDA
   auto eager = ModelPipeline(ModelPipelineOptions().auto_cuda_graphs(false));
   HostCalls host;
   for (int i = 0; i < 3; ++i) {
-    const auto stages = firing_stages();
+    auto stages = firing_stages();
     eager->append(stages.first, g);
     if (i == 0) stages.second->push_back(host);
     automatic->append(stages.second, g);
