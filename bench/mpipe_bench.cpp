@@ -243,15 +243,16 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
       guarded(r, "mpipe_graph_fwd_ms",
               [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
-      // Two streams per stage (Note [Lanes]), eager and graphed.
-      for (bool graphs : {false, true}) {
+      // Two streams per stage (Note [Lanes]), eager and graphed; graphed
+      // with 4 and 8 (what a replay's automatic lanes could be).
+      for (const auto& lg : std::vector<std::pair<int64_t, bool>>{{2, false}, {2, true}, {4, true}, {8, true}}) {
         mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
                                        .worker_threads(!inline_host)
-                                       .lanes(2)
-                                       .cuda_graphs(graphs)
+                                       .lanes(lg.first)
+                                       .cuda_graphs(lg.second)
                                        .auto_cuda_graphs(false));
         for (size_t s = 0; s < stages.size(); ++s) laned->append(stages[s], devices[s]);
-        guarded(r, graphs ? "mpipe_graph_lanes2_fwd_ms" : "mpipe_lanes2_fwd_ms",
+        guarded(r, c10::str(lg.second ? "mpipe_graph_lanes" : "mpipe_lanes", lg.first, "_fwd_ms"),
                 [&] { return timer.median_ms([&] { laned->forward(x, split); }); });
       }
     }
@@ -817,6 +818,7 @@ std::vector<double> interleaved_ms(const Timer& timer, const std::vector<std::fu
     std::sort(m.begin(), m.end());
     out.push_back(m.size() % 2 ? m[m.size() / 2] : (m[m.size() / 2 - 1] + m[m.size() / 2]) / 2);
   }
+  for (const auto& c : calls) profile_once(c, [&timer] { timer.sync(); });  // --profile
   return out;
 }
 
