@@ -99,17 +99,20 @@ TEST(JobCheckpoints, AResumedJobEndsBitForBitWhereTheUninterruptedOneDoes) {
   Job a;
   auto ck = a.checkpoints(dir);
   EXPECT_FALSE(ck.resume().has_value()) << "nothing saved yet";
+  // The data position is any bytes: text, and every byte value (a pickle).
+  std::string position = "epoch 0, batch 3";
+  for (int c = 0; c < 256; ++c) position += static_cast<char>(c);
   std::vector<double> losses;
   for (int64_t k = 0; k < 6; ++k) {
     losses.push_back(a.step());
-    if (k == 2) ck.save(3, "epoch 0, batch 3");
+    if (k == 2) ck.save(3, position);
   }
   Job b;  // a restarted process: the same construction, then resume
   auto ckb = b.checkpoints(dir);
   const auto resumed = ckb.resume();
   ASSERT_TRUE(resumed.has_value());
   EXPECT_EQ(resumed->step, 3);
-  EXPECT_EQ(resumed->data_position, "epoch 0, batch 3");
+  EXPECT_EQ(resumed->data_position, position);
   EXPECT_TRUE(resumed->skipped.empty());
   for (int64_t k = resumed->step; k < 6; ++k) {
     EXPECT_EQ(b.step(), losses[static_cast<size_t>(k)]) << "step " << k;
