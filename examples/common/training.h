@@ -7,10 +7,13 @@
 
 #include <mpipe/device.h>
 #include <mpipe/distributed.h>
+#include <mpipe/job_checkpoints.h>
 #include <mpipe/model_pipeline.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -25,6 +28,9 @@
 #include <functional>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -158,6 +164,22 @@ class WeightAverage {
     }
   }
 
+  /// The average and its number of updates, for a job checkpoint's data
+  /// position (Note [Resuming the examples]).
+  std::vector<torch::Tensor> average() const { return average_; }
+  int64_t updates() const { return updates_; }
+  /// Puts back what average() and updates() gave.
+  void restore(const std::vector<torch::Tensor>& average, int64_t updates) {
+    if (average.size() != average_.size()) {
+      throw std::runtime_error("the checkpoint's weight average holds " +
+                               std::to_string(average.size()) + " tensors, this model " +
+                               std::to_string(average_.size()) + " (saved with another --ema?)");
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < average_.size(); ++k) average_[k].copy_(average[k]);
+    updates_ = updates;
+  }
+
   /// While it lives, the module holds the average (for evaluation and saving);
   /// its own weights come back at the end.
   class Applied {
@@ -204,6 +226,8 @@ struct CommonFlags {
   bool skip_if_no_data = false;
   std::string timeline;  // path prefix: PREFIX.json and PREFIX.svg of one step
   bool memory_report = false;
+  bool resume = false;           // from the newest job checkpoint in <out>/checkpoints
+  int64_t checkpoint_every = 0;  // steps between job checkpoints; 0: none
 };
 
 /// The flags of every example: --devices, --data, --out, --seed, --quick, --skip-if-no-data.
@@ -217,6 +241,126 @@ inline void add_run_flags(CLI::App& app, CommonFlags& f, const std::string& quic
   app.add_flag("--quick", f.quick, quick_help);
   app.add_flag("--skip-if-no-data", f.skip_if_no_data,
                "exit 77 (a skip for ctest) when the data set is not installed");
+  app.add_flag("--resume", f.resume,
+               "continue from the newest whole job checkpoint in OUT/checkpoints, if there is "
+               "one (else start afresh): bit for bit where the saved run would have gone");
+  app.add_option("--checkpoint-every", f.checkpoint_every,
+                 "save a job checkpoint (weights, optimizer, random generators, the place in "
+                 "the data) into OUT/checkpoints every K training steps and after the last; "
+                 "0 (the default): none")
+      ->check(CLI::NonNegativeNumber);
+}
+
+// Note [Resuming the examples]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// --checkpoint-every K saves an mpipe::JobCheckpoints checkpoint into
+// OUT/checkpoints every K steps and after the last one; --resume continues from
+// the newest whole one there, or starts afresh when there is none, so one
+// command line serves the first start and every restart (mpipe-launch
+// --max-restarts, torchrun). The library saves the stages, the optimizer, the
+// GradScaler and the random generators; the loop's own place travels as the
+// checkpoint's data position, a pickled dictionary (Position): the step, the
+// epoch's running sums, and the CPU generator's state where the epoch drew its
+// order (epoch_order), from which a resumed epoch draws the same order again.
+// The continuation then makes every draw and every sum the uninterrupted run
+// made: the same losses, accuracies and weights, bit for bit.
+
+/// The loop's place in a job checkpoint: named ints, doubles and tensors,
+/// pickled (Note [Resuming the examples]).
+class Position {
+ public:
+  Position() = default;
+  /// From the bytes bytes() made.
+  explicit Position(const std::string& bytes)
+      : values_(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict()) {}
+  std::string bytes() const {
+    const std::vector<char> b = torch::jit::pickle_save(c10::IValue(values_));
+    return std::string(b.begin(), b.end());
+  }
+  /// Tensors are kept on the CPU; tensor() gives them back there.
+  void set(const std::string& key, const c10::IValue& value) {
+    if (value.isTensor()) {
+      values_.insert_or_assign(key, value.toTensor().cpu());
+    } else if (value.isTensorList()) {
+      std::vector<torch::Tensor> on_cpu;
+      for (const auto& t : value.toTensorVector()) on_cpu.push_back(t.cpu());
+      values_.insert_or_assign(key, on_cpu);
+    } else {
+      values_.insert_or_assign(key, value);
+    }
+  }
+  int64_t integer(const std::string& key) const { return at(key).toInt(); }
+  double real(const std::string& key) const { return at(key).toDouble(); }
+  torch::Tensor tensor(const std::string& key) const { return at(key).toTensor(); }
+  std::vector<torch::Tensor> tensors(const std::string& key) const { return at(key).toTensorVector(); }
+  std::vector<double> reals(const std::string& key) const { return at(key).toDoubleVector(); }
+
+ private:
+  c10::IValue at(const std::string& key) const {
+    const auto it = values_.find(key);
+    if (it == values_.end()) {
+      throw std::runtime_error("the job checkpoint's data position has no '" + key +
+                               "': it was saved by another program");
+    }
+    return it->value();
+  }
+  c10::impl::GenericDict values_{c10::StringType::get(), c10::AnyType::get()};
+};
+
+/// --resume / --checkpoint-every: the job's checkpoints in OUT/checkpoints,
+/// or null when neither flag asks for them.
+inline std::unique_ptr<mpipe::JobCheckpoints> job_checkpoints(const CommonFlags& f,
+                                                              mpipe::ModelPipelineImpl& pipe,
+                                                              torch::optim::Optimizer& opt,
+                                                              mpipe::GradScaler* scaler = nullptr) {
+  if (!f.resume && f.checkpoint_every == 0) return nullptr;
+  return std::make_unique<mpipe::JobCheckpoints>(f.out + "/checkpoints", pipe, opt, scaler);
+}
+
+/// With --resume, the saved place of the newest whole checkpoint (the
+/// generators and the model are loaded); nullopt: start afresh.
+inline std::optional<Position> resume(const CommonFlags& f, mpipe::JobCheckpoints* checkpoints,
+                                      bool report) {
+  if (!f.resume || checkpoints == nullptr) return std::nullopt;
+  const auto resumed = checkpoints->resume();
+  if (!resumed) {
+    if (report) std::printf("no job checkpoint in %s/checkpoints: starting afresh\n", f.out.c_str());
+    return std::nullopt;
+  }
+  if (report) {
+    std::printf("resumed from step %lld (%s)\n", static_cast<long long>(resumed->step),
+                resumed->directory.c_str());
+  }
+  return Position(resumed->data_position);
+}
+
+/// After `steps_done` of `total` steps: if a checkpoint is due, saves one
+/// with the place `position()` gives.
+inline void checkpoint_if_due(const CommonFlags& f, mpipe::JobCheckpoints* checkpoints,
+                              int64_t steps_done, int64_t total,
+                              const std::function<Position()>& position) {
+  if (checkpoints == nullptr || f.checkpoint_every == 0) return;
+  if (steps_done % f.checkpoint_every == 0 || steps_done == total) {
+    checkpoints->save(steps_done, position().bytes());
+  }
+}
+
+/// An epoch's order of `n` examples, drawn from the CPU generator; `state`
+/// is set to where the generator stood before the draw. Given a defined
+/// `state` (a resumed epoch's), the same order is drawn again from it, and
+/// the CPU generator is left alone (Note [Resuming the examples]).
+inline torch::Tensor epoch_order(int64_t n, torch::Tensor& state) {
+  if (state.defined()) {
+    at::Generator from = at::make_generator<at::CPUGeneratorImpl>();
+    from.set_state(state);
+    return torch::randperm(n, from, torch::TensorOptions(torch::kLong));
+  }
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    state = cpu.get_state();
+  }
+  return torch::randperm(n, torch::TensorOptions(torch::kLong));
 }
 
 /// add_run_flags for the Fashion-MNIST examples, and their own flags.

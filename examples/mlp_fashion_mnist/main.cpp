@@ -178,14 +178,31 @@ int run(Config cfg) {
   const int64_t steps_per_epoch = (train.size() + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total_steps = steps_per_epoch * cfg.epochs;
   int64_t step = 0;
+  // --resume: the epoch, its order and its running sum where the checkpoint
+  // left them (Note [Resuming the examples] in training.h).
+  const auto checkpoints = examples::job_checkpoints(common, *pipe, opt, &scaler);
+  const auto resumed = examples::resume(common, checkpoints.get(), report);
+  int64_t first_epoch = 1, first_start = 0;
+  torch::Tensor order_state;
+  if (resumed) {
+    step = resumed->integer("step");
+    first_epoch = resumed->integer("epoch");
+    first_start = resumed->integer("start");
+    skipped = resumed->integer("skipped");
+    order_state = resumed->tensor("order_state");
+  }
   double last = 0, train_seconds = 0;
   const auto t_start = examples::Clock::now();
-  for (int64_t epoch = 1; epoch <= cfg.epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     const auto t_epoch = examples::Clock::now();
-    auto order = torch::randperm(train.size(), torch::TensorOptions(torch::kLong));
+    const bool resuming = resumed && epoch == first_epoch;
+    if (!resuming) order_state = torch::Tensor();
+    auto order = examples::epoch_order(train.size(), order_state);
     auto order_in = order.to(devices.front()), order_out = order.to(devices.back());
-    auto loss_sum = torch::zeros({}, torch::TensorOptions(devices.back()));
-    for (int64_t start = 0; start < train.size(); start += cfg.batch_size, ++step) {
+    auto loss_sum = resuming ? resumed->tensor("loss_sum").to(devices.back())
+                             : torch::zeros({}, torch::TensorOptions(devices.back()));
+    for (int64_t start = resuming ? first_start : 0; start < train.size();
+         start += cfg.batch_size, ++step) {
       const int64_t n = std::min(cfg.batch_size, train.size() - start);
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
@@ -203,6 +220,16 @@ int run(Config cfg) {
       if (recorded) examples::end_recorded_step(pipe, common);
       skipped += scaler.step(opt) ? 0 : 1;  // opt.step() unless a gradient overflowed
       scaler.update();
+      examples::checkpoint_if_due(common, checkpoints.get(), step + 1, total_steps, [&] {
+        examples::Position at;
+        at.set("step", step + 1);
+        at.set("epoch", epoch);
+        at.set("start", start + cfg.batch_size);
+        at.set("skipped", skipped);
+        at.set("order_state", order_state);
+        at.set("loss_sum", loss_sum);
+        return at;
+      });
     }
     const double mean_loss = loss_sum.item<double>() / train.size();
     if (scaler.is_enabled() && report) {

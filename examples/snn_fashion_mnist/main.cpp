@@ -324,16 +324,41 @@ int run(Config cfg) {
   double best = 0, last = 0, train_seconds = 0;
   int64_t best_epoch = 0;
   std::vector<double> train_curve, test_curve;
+  // --resume: the epoch, its order, its running sums, the curves and the
+  // weight average where the checkpoint left them (Note [Resuming the
+  // examples] in training.h).
+  const auto checkpoints = examples::job_checkpoints(common, *pipe, opt);
+  const auto resumed = examples::resume(common, checkpoints.get(), report);
+  int64_t first_epoch = 1, first_start = 0;
+  torch::Tensor order_state;
+  if (resumed) {
+    step = resumed->integer("step");
+    first_epoch = resumed->integer("epoch");
+    first_start = resumed->integer("start");
+    order_state = resumed->tensor("order_state");
+    best = resumed->real("best");
+    best_epoch = resumed->integer("best_epoch");
+    train_curve = resumed->reals("train_curve");
+    test_curve = resumed->reals("test_curve");
+    if (average) average->restore(resumed->tensors("average"), resumed->integer("average_updates"));
+  }
   const auto t_start = examples::Clock::now();
-  for (int64_t epoch = 1; epoch <= cfg.epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     const auto t_epoch = examples::Clock::now();
-    auto order = torch::randperm(train.size(), torch::TensorOptions(torch::kLong));
+    const bool resuming = resumed && epoch == first_epoch;
+    if (!resuming) order_state = torch::Tensor();
+    auto order = examples::epoch_order(train.size(), order_state);
     auto order_in = order.to(devices.front());
     auto order_out = order.to(devices.back());
     // Sums stay on the device: one read-back per epoch.
     torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(devices.back()));
     torch::Tensor correct = torch::zeros({}, torch::TensorOptions(devices.back()).dtype(torch::kLong));
-    for (int64_t start = 0; start < train.size(); start += cfg.batch_size, ++step) {
+    if (resuming) {
+      loss_sum = resumed->tensor("loss_sum").to(devices.back());
+      correct = resumed->tensor("correct").to(devices.back());
+    }
+    for (int64_t start = resuming ? first_start : 0; start < train.size();
+         start += cfg.batch_size, ++step) {
       const int64_t n = std::min(cfg.batch_size, train.size() - start);
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
       if (augmenting) x = augment(x, cfg.crop_pad);
@@ -367,6 +392,22 @@ int run(Config cfg) {
       opt.step();
       if (average) average->update();
       if (loss.defined()) loss_sum += loss * n;
+      examples::checkpoint_if_due(common, checkpoints.get(), step + 1, total_steps, [&] {
+        examples::Position at;
+        at.set("step", step + 1);
+        at.set("epoch", epoch);
+        at.set("start", start + cfg.batch_size);
+        at.set("order_state", order_state);
+        at.set("loss_sum", loss_sum);
+        at.set("correct", correct);
+        at.set("best", best);
+        at.set("best_epoch", best_epoch);
+        at.set("train_curve", train_curve);
+        at.set("test_curve", test_curve);
+        at.set("average", average ? average->average() : std::vector<torch::Tensor>());
+        at.set("average_updates", average ? average->updates() : int64_t{0});
+        return at;
+      });
     }
     const double mean_loss = loss_sum.item<double>() / train.size();
     const double train_acc = static_cast<double>(correct.item<int64_t>()) / train.size();
