@@ -66,7 +66,6 @@ struct Config {
   std::string balance = "auto";
   std::string precision;  // "": bf16 on a GPU, fp32 on the CPU
   bool plain = false;
-  bool resume = false;
   int64_t generate = -1;  // characters to sample at the end (-1: 400, 200 with --quick)
   std::string prompt = "The ";
   double temperature = 0.8;
@@ -464,35 +463,59 @@ int run(Config c) {
                                     torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(0)));
   torch::optim::AdamW opt(groups);
 
-  // Saved weights, optimizer state and step: each rank its own stages.
+  // The trained weights, saved at each validation: each rank its own stages.
   std::filesystem::create_directories(common.out);
-  auto path_of = [&](const std::string& name) {
-    const std::string p = common.out + "/" + name;
-    return c.group.defined() ? c.group.rank_path(p) : p;
-  };
-  const std::string model_file = path_of(c.plain ? "plain.pt" : "transformer_lm.pt");
-  const std::string optim_file = path_of(c.plain ? "plain_optim.pt" : "transformer_lm_optim.pt");
-  const std::string step_file = path_of(c.plain ? "plain_step.txt" : "transformer_lm_step.txt");
-  int64_t start = 0;
-  if (c.resume && std::filesystem::exists(step_file)) {
-    std::ifstream(step_file) >> start;
-    if (c.plain) {
-      torch::load(m.plain, model_file);
-    } else {
-      torch::load(m.pipe, model_file);
-    }
-    torch::load(opt, optim_file);
-    if (report) std::printf("resumed from %s at step %lld\n", model_file.c_str(), static_cast<long long>(start));
-  }
-  auto save = [&](int64_t step) {
+  std::string model_file = common.out + (c.plain ? "/plain.pt" : "/transformer_lm.pt");
+  if (c.group.defined()) model_file = c.group.rank_path(model_file);
+  auto save = [&] {
     if (c.plain) {
       torch::save(m.plain, model_file);
     } else {
       torch::save(m.pipe, model_file);
     }
-    torch::save(opt, optim_file);
-    std::ofstream(step_file) << step << "\n";
   };
+  // --resume, --checkpoint-every (Note [Resuming the examples] in training.h).
+  // Job checkpoints hold a pipeline's stages: --plain's module is
+  // checkpointed as the one stage of a pipeline that only holds it.
+  mpipe::ModelPipeline holder{nullptr};
+  if (c.plain) {
+    holder = mpipe::ModelPipeline();
+    holder->append(m.plain, m.in_device);
+  }
+  const auto checkpoints = examples::job_checkpoints(common, c.plain ? *holder : *m.pipe, opt);
+  const auto resumed = examples::resume(common, checkpoints.get(), report);
+  int64_t start = 0;
+  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(m.out_device));
+  int64_t logged_steps = 0;
+  double val_loss = NAN;
+  // A curve as two lists (steps, values) in a Position, and back.
+  auto put_curve = [](examples::Position& at, const std::string& name,
+                      const std::vector<std::pair<int64_t, double>>& curve) {
+    std::vector<double> steps, values;
+    for (const auto& p : curve) {
+      steps.push_back(static_cast<double>(p.first));
+      values.push_back(p.second);
+    }
+    at.set(name + "_steps", steps);
+    at.set(name + "_values", values);
+  };
+  auto get_curve = [](const examples::Position& at, const std::string& name) {
+    const auto steps = at.reals(name + "_steps"), values = at.reals(name + "_values");
+    std::vector<std::pair<int64_t, double>> curve;
+    for (size_t k = 0; k < steps.size() && k < values.size(); ++k) {
+      curve.emplace_back(static_cast<int64_t>(steps[k]), values[k]);
+    }
+    return curve;
+  };
+  if (resumed) {
+    start = resumed->integer("step");
+    loss_sum = resumed->tensor("loss_sum").to(m.out_device);
+    logged_steps = resumed->integer("logged_steps");
+    val_loss = resumed->real("val_loss");
+    train_curve = get_curve(*resumed, "train");
+    val_curve = get_curve(*resumed, "val");
+  }
 
   const auto train_in = corpus.train.to(m.in_device), train_out = corpus.train.to(m.out_device);
   const auto offsets_in = torch::arange(c.context, torch::TensorOptions(m.in_device).dtype(torch::kLong));
@@ -501,10 +524,7 @@ int run(Config c) {
                      .schedule(schedule)
                      .virtual_stages(virtual_stages);
   const double flops = flops_per_token(c, vocab);
-  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(m.out_device));
-  int64_t logged_steps = 0;
-  double train_seconds = 0, interval_seconds = 0, val_loss = NAN;
+  double train_seconds = 0, interval_seconds = 0;
   auto t_interval = examples::Clock::now();
   for (int64_t step = start; step < c.steps; ++step) {
     // Random windows of the training text, from (seed, step): the same on
@@ -567,7 +587,7 @@ int run(Config c) {
       logged_steps = 0;
       if (eval_now) {
         val_loss = validate(m, c, corpus);
-        save(step + 1);
+        save();
         if (report) {
           val_curve.emplace_back(step + 1, val_loss);
           std::printf("epoch %.1f: validation loss %.3f nats per character (%.3f bits); "
@@ -581,8 +601,17 @@ int run(Config c) {
       }
       t_interval = examples::Clock::now();
     }
+    examples::checkpoint_if_due(common, checkpoints.get(), step + 1, c.steps, [&] {
+      examples::Position at;
+      at.set("step", step + 1);
+      at.set("loss_sum", loss_sum);
+      at.set("logged_steps", logged_steps);
+      at.set("val_loss", val_loss);
+      put_curve(at, "train", train_curve);
+      put_curve(at, "val", val_curve);
+      return at;
+    });
   }
-  if (start >= c.steps) val_loss = validate(m, c, corpus);
 
   const int64_t n_generate = c.generate >= 0 ? c.generate : (common.quick ? 200 : 400);
   if (n_generate > 0) {
@@ -655,7 +684,6 @@ int main(int argc, char** argv) {
   app.add_flag("--plain", c.plain, "train the same layers as one plain module (no pipeline), "
                "accumulating gradients over the --micro-batches as the pipeline does "
                "(--micro-batches 1: the whole batch at once)");
-  app.add_flag("--resume", c.resume, "continue from the weights and step saved in --out");
   app.add_option("--eval-every", c.eval_every, "validate and save every N steps (default: every epoch)");
   app.add_option("--val-chars", c.val_chars, "validate on the first N characters of the validation "
                  "text (default: all of it)")->check(CLI::NonNegativeNumber);
@@ -671,7 +699,7 @@ int main(int argc, char** argv) {
   f.out = "transformer_lm_out";
   examples::add_run_flags(app, f, "a brief run: the CPU's tiny model, 200 steps",
                           "folder of the fortunes text files (default " + std::string(transformer_lm::kDefaultData) + ")",
-                          "folder for weights, optimizer state and the loss curve");
+                          "folder for the weights, the loss curve and the job checkpoints");
   CLI11_PARSE(app, argc, argv);
   return examples::run_guarded([&] { return transformer_lm::run(c); });
 }
