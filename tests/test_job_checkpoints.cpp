@@ -62,7 +62,7 @@ struct Job {
     std::vector<torch::Tensor> out = pipe->parameters();
     for (const auto& p : pipe->parameters()) {
       const auto& s = static_cast<const torch::optim::AdamWParamState&>(
-          *opt->state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+          *opt->state().at(c10::str(p.unsafeGetTensorImpl())));
       out.push_back(s.exp_avg());
       out.push_back(s.exp_avg_sq());
     }

@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
   std::vector<torch::Tensor> state = pipe->parameters();
   for (const auto& p : pipe->parameters()) {
     const auto& s = static_cast<const torch::optim::AdamParamState&>(
-        *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+        *opt.state().at(c10::str(p.unsafeGetTensorImpl())));
     state.push_back(s.exp_avg());
     state.push_back(s.exp_avg_sq());
   }
