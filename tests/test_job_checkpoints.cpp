@@ -3,6 +3,7 @@
 // checkpoints are refused by name and the one before is used.
 
 #include "common.h"
+#include "optimizer_state.h"
 
 #include <mpipe/job_checkpoints.h>
 
@@ -61,8 +62,7 @@ struct Job {
   std::vector<torch::Tensor> state() const {
     std::vector<torch::Tensor> out = pipe->parameters();
     for (const auto& p : pipe->parameters()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(
-          *opt->state().at(c10::str(p.unsafeGetTensorImpl())));
+      const auto& s = mpipe_test::param_state<torch::optim::AdamWParamState>(*opt, p);
       out.push_back(s.exp_avg());
       out.push_back(s.exp_avg_sq());
     }

@@ -12,6 +12,8 @@
 // other ranks write that step's checkpoint; with :stall, it stops there
 // instead of dying.
 
+#include "../optimizer_state.h"
+
 #include <mpipe/distributed.h>
 #include <mpipe/job_checkpoints.h>
 #include <mpipe/model_pipeline.h>
@@ -183,8 +185,7 @@ int main(int argc, char** argv) {
   // What must equal the uninterrupted run: weights, optimizer state, loss.
   std::vector<torch::Tensor> state = pipe->parameters();
   for (const auto& p : pipe->parameters()) {
-    const auto& s = static_cast<const torch::optim::AdamParamState&>(
-        *opt.state().at(c10::str(p.unsafeGetTensorImpl())));
+    const auto& s = mpipe_test::param_state<torch::optim::AdamParamState>(opt, p);
     state.push_back(s.exp_avg());
     state.push_back(s.exp_avg_sq());
   }
