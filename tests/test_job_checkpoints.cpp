@@ -36,12 +36,15 @@ struct Job {
   std::unique_ptr<torch::optim::AdamW> opt;
   mpipe::GradScaler scaler{mpipe::GradScalerOptions().init_scale(256.0).growth_interval(2)};
 
-  explicit Job(int64_t width = 16) {
+  torch::Device device;
+
+  explicit Job(int64_t width = 16, torch::Device on = torch::kCPU) : device(on) {
     torch::manual_seed(5);
+    if (device.is_cuda()) torch::cuda::manual_seed_all(5);
     pipe = ModelPipeline();
-    pipe->append(mlp_stage(8, width), "cpu")
-        .append(torch::nn::Sequential(torch::nn::Linear(width, 16), torch::nn::Dropout(0.3)), "cpu")
-        .append(mlp_stage(16, 4), "cpu");
+    pipe->append(mlp_stage(8, width), device)
+        .append(torch::nn::Sequential(torch::nn::Linear(width, 16), torch::nn::Dropout(0.3)), device)
+        .append(mlp_stage(16, 4), device);
     opt = std::make_unique<torch::optim::AdamW>(pipe->parameters(),
                                                 torch::optim::AdamWOptions(1e-2));
   }
@@ -50,7 +53,8 @@ struct Job {
   }
   /// One training step; returns its loss.
   double step() {
-    const auto x = torch::randn({12, 8}), y = torch::randn({12, 4});
+    // On a GPU, from its generator, which a checkpoint holds too.
+    const auto x = torch::randn({12, 8}, device), y = torch::randn({12, 4}, device);
     opt->zero_grad();
     const auto loss =
         pipe->train_step(x, y, mse, mpipe::TrainStepOptions(4).loss_scale(scaler.get_scale()));
@@ -92,11 +96,13 @@ void corrupt(const std::string& path) {
   f.write(&c, 1);
 }
 
-}  // namespace
-
-TEST(JobCheckpoints, AResumedJobEndsBitForBitWhereTheUninterruptedOneDoes) {
-  const std::string dir = fresh_dir("resume");
-  Job a;
+/// Saves after 3 of 6 steps, then a new job (a restarted process: the same
+/// construction) resumes there: the same losses, then the same weights,
+/// optimizer state and scale.
+void expect_resumed_job_ends_where_uninterrupted_does(const std::string& name,
+                                                     torch::Device device) {
+  const std::string dir = fresh_dir(name);
+  Job a(16, device);
   auto ck = a.checkpoints(dir);
   EXPECT_FALSE(ck.resume().has_value()) << "nothing saved yet";
   // The data position is any bytes: text, and every byte value (a pickle).
@@ -107,7 +113,7 @@ TEST(JobCheckpoints, AResumedJobEndsBitForBitWhereTheUninterruptedOneDoes) {
     losses.push_back(a.step());
     if (k == 2) ck.save(3, position);
   }
-  Job b;  // a restarted process: the same construction, then resume
+  Job b(16, device);
   auto ckb = b.checkpoints(dir);
   const auto resumed = ckb.resume();
   ASSERT_TRUE(resumed.has_value());
@@ -121,6 +127,19 @@ TEST(JobCheckpoints, AResumedJobEndsBitForBitWhereTheUninterruptedOneDoes) {
   EXPECT_EQ(b.scaler.get_scale(), a.scaler.get_scale());
   EXPECT_EQ(b.scaler.growth_tracker(), a.scaler.growth_tracker());
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+TEST(JobCheckpoints, AResumedJobEndsBitForBitWhereTheUninterruptedOneDoes) {
+  expect_resumed_job_ends_where_uninterrupted_does("resume", torch::kCPU);
+}
+
+// On a GPU: the data and dropout's masks come from the CUDA generator,
+// whose state the checkpoint holds.
+TEST(JobCheckpoints, AResumedJobOnTheGpuEndsBitForBitWhereTheUninterruptedOneDoes_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  expect_resumed_job_ends_where_uninterrupted_does("resume_cuda", torch::Device("cuda:0"));
 }
 
 TEST(JobCheckpoints, TornCorruptedAndIncompleteCheckpointsAreRefusedByName) {
