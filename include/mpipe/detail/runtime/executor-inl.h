@@ -10,7 +10,6 @@
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/recorder.h"
 #include "mpipe/detail/runtime/skips.h"
-#include "mpipe/detail/runtime/spin.h"
 #include "mpipe/detail/runtime/split_backward.h"
 #include "mpipe/detail/runtime/streams.h"
 
@@ -284,7 +283,6 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
         r.reset();  // before the caller can move on (Note [Call ownership])
         std::lock_guard<std::mutex> lock(done.mutex);
         ++done.finished;
-        done.finishes.fetch_add(1, std::memory_order_release);
         done.done.notify_all();
       });
       ++run->expected;
@@ -293,7 +291,6 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   if (threaded) {
     std::unique_lock<std::mutex> lock(run->mutex);
     auto all_done = [&] { return run->finished == run->expected; };
-    spin_while_not(lock, run->finishes, all_done);  // Note [Spinning before sleeping]
     run->done.wait(lock, all_done);
   } else {
     for (const auto& t : schedules::simulate(call.programs)) {

@@ -16,7 +16,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -153,7 +152,6 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
-  std::atomic<uint64_t> pushed_{0};  // bumped under mutex_ (Note [Spinning before sleeping])
   std::thread thread_;  // last: starts after the members above exist
 };
 

@@ -91,7 +91,6 @@ struct Executor::Run {
   int64_t finished = 0;
   int64_t expected = 0;  // worker programs queued
   std::condition_variable done;
-  std::atomic<uint64_t> finishes{0};  // bumped with `finished` (Note [Spinning before sleeping])
 
   void fail(std::exception_ptr e) {
     {

@@ -5,7 +5,6 @@
 #include "mpipe/detail/runtime/transport.h"
 
 #include "mpipe/detail/runtime/recorder.h"
-#include "mpipe/detail/runtime/spin.h"
 #include "mpipe/detail/runtime/streams.h"
 
 #include <c10/core/StreamGuard.h>
@@ -45,7 +44,6 @@ MPIPE_FUNC void LocalTransport::send(int64_t from, int64_t to, const Key& key, T
     std::lock_guard<std::mutex> lock(mutex_);
     const bool fresh = parcels_.emplace(where, std::move(parcel)).second;
     TORCH_INTERNAL_ASSERT(fresh, "mpipe: a transport key was sent twice");
-    handoffs_.fetch_add(1, std::memory_order_release);
   }
   if (!blocking_) return;
   if (key.kind == Key::Skip) {
@@ -63,7 +61,6 @@ MPIPE_FUNC void LocalTransport::deposit(int64_t from, int64_t to, const Key& key
       parcels_.emplace(where, Parcel{std::move(values), std::move(ready), from}).second;
   TORCH_CHECK(fresh, "mpipe: ", key.kind == Key::Skip ? "skip '" + key.name + "'" : "a message",
               " of item ", key.item, " arrived twice from stage ", from);
-  handoffs_.fetch_add(1, std::memory_order_release);
   for (auto& cv : arrived_) cv.notify_all();
 }
 
@@ -93,7 +90,6 @@ MPIPE_FUNC Tensors LocalTransport::receive(int64_t to, const Key& key) {
     std::unique_lock<std::mutex> lock(mutex_);
     auto ready = [&] { return aborted_ || !failure_.empty() || parcels_.count(where) > 0; };
     const auto wait = patience ? patience(to, key) : timeout_;
-    if (blocking_) spin_while_not(lock, handoffs_, ready);  // Note [Spinning before sleeping]
     if (blocking_ && timeout_.count() > 0 && wait.count() > 0) {
       const bool arrived = arrived_[slot(to)].wait_for(lock, wait, ready);
       TORCH_CHECK(arrived, "nothing arrived from ",
@@ -123,7 +119,6 @@ MPIPE_FUNC void LocalTransport::abort() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     aborted_ = true;
-    handoffs_.fetch_add(1, std::memory_order_release);
   }
   for (auto& cv : arrived_) cv.notify_all();
 }
@@ -131,7 +126,6 @@ MPIPE_FUNC void LocalTransport::abort() {
 MPIPE_FUNC void LocalTransport::fail(const std::string& why) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (failure_.empty()) failure_ = why;
-  handoffs_.fetch_add(1, std::memory_order_release);
   for (auto& cv : arrived_) cv.notify_all();
 }
 

@@ -8,7 +8,6 @@
 #include <c10/core/Stream.h>
 #include <c10/util/Optional.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -149,9 +148,6 @@ class LocalTransport : public Transport {
   std::map<std::pair<int64_t, Key>, Parcel> parcels_;
   bool aborted_ = false;
   std::string failure_;  // another process failed (fail())
-  /// Bumped under mutex_ by everything a receive waits for (Note [Spinning
-  /// before sleeping] in spin.h).
-  std::atomic<uint64_t> handoffs_{0};
 };
 
 /// A call across processes as the executor sees it (Note [Cross-process

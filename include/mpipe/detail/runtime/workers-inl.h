@@ -5,7 +5,6 @@
 #include "mpipe/detail/config.h"
 
 #include "mpipe/detail/runtime/executor.h"
-#include "mpipe/detail/runtime/spin.h"
 
 #include <functional>
 #include <memory>
@@ -61,7 +60,6 @@ MPIPE_FUNC Worker::~Worker() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
-    pushed_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
   thread_.join();
@@ -71,7 +69,6 @@ MPIPE_FUNC void Worker::push(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(std::move(fn));
-    pushed_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
 }
@@ -83,7 +80,6 @@ MPIPE_FUNC void Worker::loop() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       auto ready = [this] { return stop_ || !queue_.empty(); };
-      spin_while_not(lock, pushed_, ready);  // Note [Spinning before sleeping]
       cv_.wait(lock, ready);
       if (queue_.empty()) return;
       fn = std::move(queue_.front());
