@@ -307,6 +307,32 @@ class Position {
   c10::impl::GenericDict values_{c10::StringType::get(), c10::AnyType::get()};
 };
 
+/// Where an epoch loop stands, as both Fashion-MNIST examples save it: the
+/// steps done, the epoch, the first example of its next batch and the CPU
+/// generator's state its order was drawn from (epoch_order).
+struct EpochPlace {
+  int64_t step = 0, epoch = 1, start = 0;
+  torch::Tensor order_state;
+
+  /// The saved place, or the start of training.
+  static EpochPlace from(const std::optional<Position>& resumed) {
+    EpochPlace p;
+    if (resumed) {
+      p.step = resumed->integer("step");
+      p.epoch = resumed->integer("epoch");
+      p.start = resumed->integer("start");
+      p.order_state = resumed->tensor("order_state");
+    }
+    return p;
+  }
+  void put(Position& at) const {
+    at.set("step", step);
+    at.set("epoch", epoch);
+    at.set("start", start);
+    at.set("order_state", order_state);
+  }
+};
+
 /// --resume / --checkpoint-every: the job's checkpoints in OUT/checkpoints,
 /// or null when neither flag asks for them.
 inline std::unique_ptr<mpipe::JobCheckpoints> job_checkpoints(const CommonFlags& f,

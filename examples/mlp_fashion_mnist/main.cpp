@@ -182,15 +182,11 @@ int run(Config cfg) {
   // left them (Note [Resuming the examples] in training.h).
   const auto checkpoints = examples::job_checkpoints(common, *pipe, opt, &scaler);
   const auto resumed = examples::resume(common, checkpoints.get(), report);
-  int64_t first_epoch = 1, first_start = 0;
-  torch::Tensor order_state;
-  if (resumed) {
-    step = resumed->integer("step");
-    first_epoch = resumed->integer("epoch");
-    first_start = resumed->integer("start");
-    skipped = resumed->integer("skipped");
-    order_state = resumed->tensor("order_state");
-  }
+  const auto place = examples::EpochPlace::from(resumed);
+  step = place.step;
+  const int64_t first_epoch = place.epoch, first_start = place.start;
+  torch::Tensor order_state = place.order_state;
+  if (resumed) skipped = resumed->integer("skipped");
   double last = 0, train_seconds = 0;
   const auto t_start = examples::Clock::now();
   for (int64_t epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
@@ -222,11 +218,8 @@ int run(Config cfg) {
       scaler.update();
       examples::checkpoint_if_due(common, checkpoints.get(), step + 1, total_steps, [&] {
         examples::Position at;
-        at.set("step", step + 1);
-        at.set("epoch", epoch);
-        at.set("start", start + cfg.batch_size);
+        examples::EpochPlace{step + 1, epoch, start + cfg.batch_size, order_state}.put(at);
         at.set("skipped", skipped);
-        at.set("order_state", order_state);
         at.set("loss_sum", loss_sum);
         return at;
       });

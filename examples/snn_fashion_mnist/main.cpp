@@ -329,13 +329,11 @@ int run(Config cfg) {
   // examples] in training.h).
   const auto checkpoints = examples::job_checkpoints(common, *pipe, opt);
   const auto resumed = examples::resume(common, checkpoints.get(), report);
-  int64_t first_epoch = 1, first_start = 0;
-  torch::Tensor order_state;
+  const auto place = examples::EpochPlace::from(resumed);
+  step = place.step;
+  const int64_t first_epoch = place.epoch, first_start = place.start;
+  torch::Tensor order_state = place.order_state;
   if (resumed) {
-    step = resumed->integer("step");
-    first_epoch = resumed->integer("epoch");
-    first_start = resumed->integer("start");
-    order_state = resumed->tensor("order_state");
     best = resumed->real("best");
     best_epoch = resumed->integer("best_epoch");
     train_curve = resumed->reals("train_curve");
@@ -394,10 +392,7 @@ int run(Config cfg) {
       if (loss.defined()) loss_sum += loss * n;
       examples::checkpoint_if_due(common, checkpoints.get(), step + 1, total_steps, [&] {
         examples::Position at;
-        at.set("step", step + 1);
-        at.set("epoch", epoch);
-        at.set("start", start + cfg.batch_size);
-        at.set("order_state", order_state);
+        examples::EpochPlace{step + 1, epoch, start + cfg.batch_size, order_state}.put(at);
         at.set("loss_sum", loss_sum);
         at.set("correct", correct);
         at.set("best", best);
