@@ -10,5 +10,6 @@
 #include "mpipe/detail/pipeline/memory-inl.h"
 #include "mpipe/detail/pipeline/micro_batch_calls-inl.h"
 #include "mpipe/detail/pipeline/model_pipeline-inl.h"
+#include "mpipe/detail/pipeline/script-inl.h"
 #include "mpipe/detail/pipeline/timeline-inl.h"
 #include "mpipe/detail/pipeline/time_step_calls-inl.h"

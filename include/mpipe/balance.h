@@ -14,6 +14,9 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace mpipe {
@@ -34,6 +37,22 @@ ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                               const std::vector<DeviceArg>& devices,
                               const std::vector<int64_t>& sizes,
                               ModelPipelineOptions options = {});
+/// from_sequential cut before each layer named in `cut_before` (the names
+/// of `layers`' entries, e.g. script_layers' children), in order: one name
+/// fewer than devices. Throws c10::Error naming the layers when a name is
+/// not one of them or the names are out of order.
+ModelPipeline from_sequential(const torch::nn::Sequential& layers,
+                              const std::vector<DeviceArg>& devices,
+                              const std::vector<std::string>& cut_before,
+                              ModelPipelineOptions options = {});
+/// from_sequential(layers, devices, {3, 0}): sizes, where {N, 0} would also
+/// spell a std::vector<std::string> (0 is a null const char*).
+inline ModelPipeline from_sequential(const torch::nn::Sequential& layers,
+                                     const std::vector<DeviceArg>& devices,
+                                     std::initializer_list<int64_t> sizes,
+                                     ModelPipelineOptions options = {}) {
+  return from_sequential(layers, devices, std::vector<int64_t>(sizes), std::move(options));
+}
 
 /// Forward + backward time of each layer of `layers` in ms (median of `reps`
 /// after one warm-up), on a sample batch, where the layers are (the sample is

@@ -31,6 +31,12 @@
 #include <utility>
 #include <vector>
 
+namespace torch {
+namespace jit {
+struct Module;  // torch/csrc/jit/api/module.h
+}  // namespace jit
+}  // namespace torch
+
 namespace mpipe {
 
 namespace detail {
@@ -135,6 +141,12 @@ class ModelPipelineImpl : public torch::nn::Module {
   }
   /// append for an AnyModule: one tensor in, one tensor out.
   ModelPipelineImpl& append(torch::nn::AnyModule module, const DeviceArg& device);
+  /// append for a TorchScript module (scripted or traced in Python and loaded
+  /// with torch::jit::load, or defined in C++): its forward takes the stage's
+  /// inputs and returns a tensor or a tuple or list of tensors. Its
+  /// parameters and buffers are the pipeline's, under their own names, and
+  /// stay shared with `module` (mpipe/script.h; Note [TorchScript stages]).
+  ModelPipelineImpl& append(const torch::jit::Module& module, const DeviceArg& device);
 
   /// Splits `x` along dim 0 into micro-batches, streams them through the
   /// stages as a fill-drain wavefront and returns their outputs concatenated

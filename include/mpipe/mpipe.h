@@ -19,6 +19,7 @@
 #include <mpipe/model_pipeline.h>
 #include <mpipe/pipeline_options.h>
 #include <mpipe/schedule.h>
+#include <mpipe/script.h>
 #include <mpipe/simulate.h>
 #include <mpipe/skip.h>
 #include <mpipe/split.h>

@@ -99,6 +99,35 @@ MPIPE_FUNC ModelPipeline from_sequential(const torch::nn::Sequential& layers,
   return pipe;
 }
 
+MPIPE_FUNC ModelPipeline from_sequential(const torch::nn::Sequential& layers,
+                                         const std::vector<DeviceArg>& devices,
+                                         const std::vector<std::string>& cut_before,
+                                         ModelPipelineOptions options) {
+  const auto children = layers->named_children();
+  std::string all;
+  for (const auto& c : children) all += (all.empty() ? "" : ", ") + c.key();
+  TORCH_CHECK(cut_before.size() + 1 == devices.size(), "mpipe::balance::from_sequential: ",
+              cut_before.size(), " cut(s) for ", devices.size(),
+              " device(s); name one layer fewer than devices (the layers: ", all, ")");
+  std::vector<int64_t> sizes;
+  int64_t start = 0;
+  for (const std::string& name : cut_before) {
+    int64_t at = -1;
+    for (size_t l = 0; l < children.size(); ++l) {
+      if (children[l].key() == name) at = static_cast<int64_t>(l);
+    }
+    TORCH_CHECK(at >= 0, "mpipe::balance::from_sequential: no layer named '", name,
+                "' to cut before (the layers: ", all, ")");
+    TORCH_CHECK(at > start, "mpipe::balance::from_sequential: the cut before '", name,
+                "' leaves stage ", sizes.size(), " empty; name the layers in order, not the first"
+                " (the layers: ", all, ")");
+    sizes.push_back(at - start);
+    start = at;
+  }
+  sizes.push_back(static_cast<int64_t>(children.size()) - start);
+  return from_sequential(layers, devices, sizes, std::move(options));
+}
+
 }  // namespace balance
 namespace detail {
 
