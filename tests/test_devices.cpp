@@ -13,12 +13,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <mutex>
-#include <set>
-#include <string>
-#include <thread>
-#include <utility>
 
 using namespace mpipe_test;
 using mpipe::ModelPipeline;
@@ -261,63 +255,6 @@ TEST(Placement, TimeStepCallsEqualAPlainLoopOnTheGpuAndMixed_CUDA) {
   }
 }
 
-namespace {
-
-/// The threads that ran a 2-stage pipeline's stages (worker threads on) on
-/// `device`: in a forward, in a training step, and in a forward with
-/// MPIPE_FORWARD_THREADS_ON_ONE_GPU=1.
-struct ThreadsSeen {
-  std::set<std::thread::id> forward, train_step, forward_kept;
-};
-
-ThreadsSeen threads_seen(const char* device) {
-  std::mutex mutex;
-  std::set<std::thread::id> seen;
-  auto stage = [&] {
-    return torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Functional([&](torch::Tensor t) {
-      std::lock_guard<std::mutex> lock(mutex);
-      seen.insert(std::this_thread::get_id());
-      return t;
-    }));
-  };
-  auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(true).auto_cuda_graphs(false));
-  pipe->append(stage(), device).append(stage(), device);
-  const auto x = torch::randn({4, 4}, torch::Device(device));
-  ThreadsSeen out;
-  pipe->forward(x, 1);
-  out.forward = std::exchange(seen, {});
-  pipe->train_step(x, x, mse, mpipe::TrainStepOptions(1));
-  out.train_step = std::exchange(seen, {});
-  setenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU", "1", 1);
-  pipe->forward(x, 1);
-  unsetenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU");
-  out.forward_kept = std::exchange(seen, {});
-  return out;
-}
-
-}  // namespace
-
-// Note [One GPU's forward runs inline]: with worker threads, a forward on
-// one GPU runs every stage on the caller's thread; a training step, and a
-// forward with MPIPE_FORWARD_THREADS_ON_ONE_GPU=1, on the workers.
-TEST(Placement, AForwardOnOneGpuRunsOnTheCallersThread_CUDA) {
-  MPIPE_REQUIRE_CUDA(1);
-  const auto me = std::this_thread::get_id();
-  const ThreadsSeen seen = threads_seen("cuda:0");
-  EXPECT_EQ(seen.forward, std::set<std::thread::id>{me}) << "the forward's stages ran on other threads";
-  EXPECT_EQ(seen.train_step.count(me), 0u) << "the training step ran inline";
-  EXPECT_EQ(seen.forward_kept.count(me), 0u) << "the kept threads did not run the forward";
-}
-
-// CPU stages compute on the host: their forward keeps its worker threads.
-TEST(Placement, AForwardOfCpuStagesRunsOnWorkerThreads) {
-  const auto me = std::this_thread::get_id();
-  const ThreadsSeen seen = threads_seen("cpu");
-  EXPECT_EQ(seen.forward.count(me), 0u);
-  EXPECT_EQ(seen.forward.size(), 2u) << "one worker per stage";
-  EXPECT_EQ(seen.train_step.count(me), 0u);
-}
-
 #ifdef MPIPE_TEST_WITH_CUDA
 
 namespace {
@@ -367,18 +304,8 @@ TEST(Placement, StagesOverlapOnOneGpuAndTheHostDoesNotWait_CUDA) {
   torch::cuda::synchronize();
   const double serial_ms = ms_since(t0);
 
-  // Worker threads on one GPU run a forward inline (Note [One GPU's forward
-  // runs inline]); MPIPE_FORWARD_THREADS_ON_ONE_GPU=1 keeps the threads.
-  for (const char* mode : {"worker threads", "worker threads, kept on one GPU", "inline"}) {
-    SCOPED_TRACE(mode);
-    const bool threads = std::string(mode) != "inline", kept = std::string(mode).find("kept") != std::string::npos;
-    if (kept) setenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU", "1", 1);
-    struct Unset {
-      bool on;
-      ~Unset() {
-        if (on) unsetenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU");
-      }
-    } unset{kept};
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE(threads ? "worker threads" : "inline");
     auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
     for (auto& s : spins) pipe->append(s, "cuda:0");
     pipe->forward(x, 1);  // warm-up (worker start, stream pool)

@@ -172,9 +172,11 @@ MPIPE_FUNC void Executor::run_program(Run& run, const schedules::Program& progra
 // them too: their work runs in parallel. MPIPE_FORWARD_THREADS_ON_ONE_GPU=1
 // turns this off, for measurements.
 MPIPE_FUNC bool forward_inline_on(const std::vector<StagePlace>& stages) {
-  if (stages.empty() || !stages.front().device.is_cuda()) return false;
-  const char* off = std::getenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU");  // read per call: tests set it
-  if (off != nullptr && std::string(off) == "1") return false;
+  static const bool off = [] {
+    const char* v = std::getenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  if (off || stages.empty() || !stages.front().device.is_cuda()) return false;
   for (const auto& s : stages) {
     if (s.device != stages.front().device) return false;
   }
