@@ -21,10 +21,7 @@ struct ModelPipelineOptions {
   /// caller's thread runs every task in the schedule's clock order; results are
   /// the same either way (docs/design.md, "One runtime"). A call of one item
   /// (one micro-batch, or one time chunk) always runs on the caller's thread:
-  /// its tasks wait for one another, so threads would only add hand-offs. So
-  /// does a forward call (not a training step) whose stages all sit on one
-  /// GPU: its launches into that device serialise in the driver, and threads
-  /// measured slower there (Note [One GPU's forward runs inline]).
+  /// its tasks wait for one another, so threads would only add hand-offs.
   TORCH_ARG(bool, worker_threads) = true;
   /// constant_forward and sequence_forward start from reset state: every
   /// Stateful module of the pipeline is reset (mpipe::reset_states) at the

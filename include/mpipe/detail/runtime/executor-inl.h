@@ -25,7 +25,6 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <map>
 #include <set>
 #include <string>
@@ -158,31 +157,6 @@ MPIPE_FUNC void Executor::run_program(Run& run, const schedules::Program& progra
   }
 }
 
-// Note [One GPU's forward runs inline]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A forward call (no training step) whose stages all sit on one CUDA device
-// runs on the caller's thread even with worker_threads. Its host work is
-// almost all driver calls (launches, event records and waits) into that one
-// device, which the driver serialises: four worker threads launching at once
-// only contend, and on an H200 the overhead workload's forward cost 11-18 µs
-// per task with threads against 6-11 inline (bench/RESULTS.md, issue 48).
-// Training steps keep their threads: there the autograd engine's thread runs
-// each backward while the workers launch the next forwards, and threads
-// measured faster than inline. CPU stages and stages on several devices keep
-// them too: their work runs in parallel. MPIPE_FORWARD_THREADS_ON_ONE_GPU=1
-// turns this off, for measurements.
-MPIPE_FUNC bool forward_inline_on(const std::vector<StagePlace>& stages) {
-  static const bool off = [] {
-    const char* v = std::getenv("MPIPE_FORWARD_THREADS_ON_ONE_GPU");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  if (off || stages.empty() || !stages.front().device.is_cuda()) return false;
-  for (const auto& s : stages) {
-    if (s.device != stages.front().device) return false;
-  }
-  return true;
-}
-
 MPIPE_FUNC void Executor::set_layout(int64_t first, int64_t n_total, std::string rank_note) {
   first_ = first;
   n_total_ = n_total;
@@ -224,7 +198,6 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   // to overlap: every action waits for the one before it, and worker threads
   // would only add hand-offs between them.
   if (call.n_items == 1 && !call.remote) threaded = false;
-  if (threaded && !call.training && !call.remote && forward_inline_on(stages_)) threaded = false;
   run->local = std::make_unique<LocalTransport>(
       stages_, first_, threaded || call.remote != nullptr, call.recorder,
       call.remote ? call.remote->timeout() : std::chrono::milliseconds(0));
