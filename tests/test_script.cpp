@@ -291,4 +291,20 @@ TEST(ScriptStages, BadSplitsAndInputsGetClearErrors) {
   pipe->append(script_linear(4, 4), "cpu").append(pair, "cpu");
   MPIPE_EXPECT_ERROR(pipe->forward(torch::randn({4, 4}), 2), "stage 1", "micro-batch 0",
                      "Pair", "takes 2 input(s)", "given 1");
+  // A child that returns two tensors cannot be a layer of a Sequential.
+  torch::jit::Module two = new_module("Two");
+  two.define(R"(
+    def forward(self, x):
+        return x, x
+  )");
+  torch::jit::Module outer = new_module("Outer");
+  outer.register_module("two", two);
+  outer.define(R"(
+    def forward(self, x):
+        return self.two.forward(x)
+  )");
+  auto split = mpipe::balance::from_sequential(mpipe::script_layers(outer), {"cpu"},
+                                               std::vector<int64_t>{1});
+  MPIPE_EXPECT_ERROR(split->forward(torch::randn({2, 4}), 1), "stage 0", "Two",
+                     "returned 2 tensors", "returns one");
 }

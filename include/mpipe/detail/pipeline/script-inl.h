@@ -123,8 +123,8 @@ MPIPE_FUNC Tensors ScriptModuleBase::call(const Tensors& inputs) {
 
 MPIPE_FUNC at::Tensor ScriptLayerImpl::forward(const at::Tensor& input) {
   Tensors out = call({input});
-  TORCH_CHECK(out.size() == 1, "the TorchScript layer ", module().type()->name()->qualifiedName(),
-              " returned ", out.size(), " tensors; a layer of a Sequential returns one");
+  TORCH_CHECK(out.size() == 1, "the TorchScript layer ", type_name(), " returned ", out.size(),
+              " tensors; a layer of a Sequential returns one");
   return out[0];
 }
 

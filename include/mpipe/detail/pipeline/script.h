@@ -29,6 +29,8 @@ class ScriptModuleBase : public torch::nn::Module {
   /// module.forward(inputs), its result as tensors.
   Tensors call(const Tensors& inputs);
   const torch::jit::Module& module() const { return module_; }
+  /// The module's TorchScript type, for messages.
+  const std::string& type_name() const { return type_; }
 
  private:
   torch::jit::Module module_;
