@@ -15,13 +15,9 @@
 // Note [TorchScript stages] in mpipe/detail/pipeline/script-inl.h has what
 // such a stage does and does not do.
 
-#include <torch/nn/modules/container/sequential.h>
+#include <mpipe/model_pipeline.h>  // also declares torch::jit::Module
 
-namespace torch {
-namespace jit {
-struct Module;  // torch/csrc/jit/api/module.h
-}  // namespace jit
-}  // namespace torch
+#include <torch/nn/modules/container/sequential.h>
 
 namespace mpipe {
 
