@@ -13,9 +13,12 @@
 #include <mpipe/grad_norm.h>
 #include <mpipe/grad_scaler.h>
 #include <mpipe/job_checkpoints.h>
+#include <mpipe/script.h>
 #include <mpipe/snn.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/optim/adam.h>
 
 #include <chrono>
@@ -179,6 +182,68 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
         }
         expect_same_grads(pipe, reference, what);
       }
+    }
+  }
+}
+
+/// A TorchScript nn.Sequential of `n` blocks b0, b1, ... (Linear(6, 6) + Tanh,
+/// in double), the same on every rank.
+torch::jit::Module script_blocks(int64_t n) {
+  torch::manual_seed(21);
+  torch::jit::Module seq("Blocks");
+  seq.register_attribute("training", c10::BoolType::get(), true);
+  std::string body = "def forward(self, x):\n";
+  for (int64_t b = 0; b < n; ++b) {
+    torch::jit::Module block("Block");
+    block.register_attribute("training", c10::BoolType::get(), true);
+    block.register_parameter("weight", torch::randn({6, 6}, torch::kDouble).requires_grad_(), false);
+    block.register_parameter("bias", torch::randn({6}, torch::kDouble).requires_grad_(), false);
+    block.define("def forward(self, x):\n    return torch.tanh(torch.linear(x, self.weight, self.bias))\n");
+    seq.register_module("b" + std::to_string(b), block);
+    body += "    x = self.b" + std::to_string(b) + ".forward(x)\n";
+  }
+  seq.define(body + "    return x\n");
+  return seq;
+}
+
+// TorchScript stages across processes (Note [TorchScript stages]): each rank
+// appends its blocks of the module; loss and gradients equal the whole
+// module's on the same micro-batches, bit for bit.
+TEST(Distributed, TorchScriptStagesTrainAcrossRanks) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t n = group().pipeline_size() + 1;
+  const at::Tensor x = input(10);
+  torch::manual_seed(3);
+  const at::Tensor y = torch::randn({10, 6}, torch::kDouble);
+  auto model = script_blocks(n), reference = script_blocks(n);
+  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
+  const auto range = group().stage_range(n);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    pipe->append(model.attr("b" + std::to_string(s)).toModule(), "cpu");
+  }
+  const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
+                                           group().is_last() ? y : at::Tensor(), mse,
+                                           mpipe::TrainStepOptions(3));
+  // The whole module as the stages run it, on train_step's micro-batches.
+  torch::jit::GraphOptimizerEnabledGuard as_written(false);
+  at::Tensor want;
+  for (int64_t start = 0; start < 10; start += 3) {
+    const int64_t rows = std::min<int64_t>(3, 10 - start);
+    const auto part = mse(reference.forward({x.narrow(0, start, rows)}).toTensor(),
+                          y.narrow(0, start, rows)) * (static_cast<double>(rows) / 10);
+    part.backward();
+    want = want.defined() ? want + part.detach() : part.detach();
+  }
+  if (group().is_last()) {
+    EXPECT_TRUE(torch::equal(loss, want)) << "loss";
+  }
+  for (int64_t s = range.first; s < range.second; ++s) {
+    const std::string b = "b" + std::to_string(s);
+    for (const char* p : {"weight", "bias"}) {
+      const auto got = model.attr(b).toModule().attr(p).toTensor().grad();
+      const auto expected = reference.attr(b).toModule().attr(p).toTensor().grad();
+      ASSERT_TRUE(got.defined()) << b << "." << p;
+      EXPECT_TRUE(torch::equal(got, expected)) << b << "." << p;
     }
   }
 }
