@@ -144,6 +144,25 @@ TEST(ScriptStages, SplitByChildrenOrNamesEqualsTheWholeModuleForEverySchedule) {
   }
 }
 
+// The balance tools take script_layers as any Sequential: profiled, split
+// by cost, the pipeline gives the whole module's outputs.
+TEST(ScriptStages, TheBalanceToolsSplitTheLayersByTheirCost) {
+  auto model = script_mlp(16, 3, 4);  // 7 children
+  const auto layers = mpipe::script_layers(model);
+  const auto x = torch::randn({8, 16});
+  const auto costs = mpipe::balance::profile_time(layers, x.narrow(0, 0, 4), 2);
+  ASSERT_EQ(costs.size(), 7u);
+  for (double c : costs) EXPECT_GE(c, 0.0);
+  auto pipe = mpipe::balance::balanced(layers, {"cpu", "cpu", "cpu"}, costs);
+  ASSERT_EQ(pipe->size(), 3u);
+  torch::NoGradGuard no_grad;
+  torch::jit::GraphOptimizerEnabledGuard as_written(false);
+  EXPECT_TRUE(torch::equal(pipe->forward(x, 4), model.forward({x}).toTensor()));
+  for (const auto& p : model.named_parameters()) {
+    EXPECT_FALSE(p.value.grad().defined()) << "profiling left a gradient on " << p.name;
+  }
+}
+
 TEST(ScriptStages, AppendedModulesMixWithTorchNnStagesAndTrainTheScriptModule) {
   auto model = script_mlp(8, 1, 8);  // fc0, act0, head
   torch::manual_seed(2);
