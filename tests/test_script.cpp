@@ -163,6 +163,37 @@ TEST(ScriptStages, TheBalanceToolsSplitTheLayersByTheirCost) {
   }
 }
 
+// On a GPU: the split module on cuda:0 gives the whole module's outputs and
+// training step, eager and in the calls that default options replay from
+// CUDA graphs (Note [Automatic CUDA graphs]), every call the same.
+TEST(ScriptStages, OnTheGpuEagerAndReplayedCallsEqualTheWholeModule_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  const torch::Device gpu("cuda:0");
+  auto model = script_mlp(32, 3, 8);
+  model.to(gpu);
+  const auto x = torch::randn({16, 32}, gpu), y = torch::randn({16, 8}, gpu);
+  const auto [loss, grads] = whole_module(model, x, y, 4);
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    torch::jit::GraphOptimizerEnabledGuard as_written(false);
+    out = model.forward({x}).toTensor();
+  }
+  auto pipe = mpipe::balance::from_sequential(mpipe::script_layers(model), {gpu, gpu, gpu},
+                                              {"act0", "fc2"});
+  for (int call = 0; call < 5; ++call) {  // the third and later calls replay a graph
+    SCOPED_TRACE("call " + std::to_string(call));
+    {
+      torch::NoGradGuard no_grad;
+      EXPECT_TRUE(torch::equal(pipe->forward(x, 4), out)) << "forward";
+    }
+    pipe->zero_grad();
+    EXPECT_TRUE(torch::equal(pipe->train_step(x, y, mse, mpipe::TrainStepOptions(4)), loss));
+    expect_equal_grads(take_grads(model), grads);
+  }
+  EXPECT_GE(pipe->cuda_graphs_captured(), 1u) << "no call was replayed";
+}
+
 TEST(ScriptStages, AppendedModulesMixWithTorchNnStagesAndTrainTheScriptModule) {
   auto model = script_mlp(8, 1, 8);  // fc0, act0, head
   torch::manual_seed(2);
@@ -299,6 +330,9 @@ TEST(ScriptStages, BadSplitsAndInputsGetClearErrors) {
                      "leaves stage 0 empty");
   MPIPE_EXPECT_ERROR(mpipe::balance::from_sequential(layers, {"cpu", "cpu", "cpu"}, {"head"}),
                      "1 cut(s) for 3 device(s)");
+  // Two names (which a std::vector<int64_t> would take as an iterator range).
+  EXPECT_EQ(mpipe::balance::from_sequential(layers, {"cpu", "cpu", "cpu"}, {"act0", "head"})->size(),
+            3u);
   MPIPE_EXPECT_ERROR(mpipe::script_layers(script_tanh()), "no children", "Tanh");
   // A stage whose forward takes two inputs after a stage that gives one.
   torch::jit::Module pair = new_module("Pair");

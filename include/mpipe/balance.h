@@ -45,13 +45,23 @@ ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                               const std::vector<DeviceArg>& devices,
                               const std::vector<std::string>& cut_before,
                               ModelPipelineOptions options = {});
-/// from_sequential(layers, devices, {3, 0}): sizes, where {N, 0} would also
-/// spell a std::vector<std::string> (0 is a null const char*).
+/// from_sequential(layers, devices, {3, 0}) and (layers, devices, {"fc2",
+/// "head"}): braced lists, which could spell either vector otherwise ({N, 0}
+/// a std::vector<std::string>, as 0 is a null const char*; two names a
+/// std::vector<int64_t>, as two pointers are an iterator range).
 inline ModelPipeline from_sequential(const torch::nn::Sequential& layers,
                                      const std::vector<DeviceArg>& devices,
                                      std::initializer_list<int64_t> sizes,
                                      ModelPipelineOptions options = {}) {
   return from_sequential(layers, devices, std::vector<int64_t>(sizes), std::move(options));
+}
+/// from_sequential cut before the named layers, the names as a braced list.
+inline ModelPipeline from_sequential(const torch::nn::Sequential& layers,
+                                     const std::vector<DeviceArg>& devices,
+                                     std::initializer_list<std::string> cut_before,
+                                     ModelPipelineOptions options = {}) {
+  return from_sequential(layers, devices, std::vector<std::string>(cut_before),
+                         std::move(options));
 }
 
 /// Forward + backward time of each layer of `layers` in ms (median of `reps`
