@@ -2,7 +2,8 @@
 # On a CUDA machine whose LibTorch is python3's torch (the project's GPU machine):
 # builds mpipe against it and runs the steps named in MPIPE_GPU_STEPS (default:
 # "tests snn"): tests = every ctest test plus the GPU tests verbosely;
-# mlpfm = the Fashion-MNIST MLP training;
+# mlpfm = the Fashion-MNIST MLP training; frompython = examples/from_python
+# with a model scripted by python3's torch, read back by it;
 # bf16 = the bf16 rows and the transformer beside the reference class;
 # scaling = wide-mlp's training throughput on 1, 2 and 4 GPUs beside the reference class;
 # bench = mpipe_bench (only the workloads in MPIPE_BENCH_ONLY, if set) beside
@@ -124,6 +125,17 @@ if [[ " $steps " == *" bench "* ]]; then
     step compare bash -o pipefail -c "python3 bench/compare.py '$out/mpipe_bench.json' \
       '$out/seed_bench.json' | tee '$out/compare.md'"
   fi
+fi
+if [[ " $steps " == *" frompython "* ]]; then
+  # examples/from_python end to end: Python scripts the model, the C++
+  # program splits, checks, fine-tunes and saves it, Python reads it back.
+  fp=/tmp/mpipe-from-python
+  mkdir -p "$fp"
+  step from_python bash -o pipefail -c "{ python3 examples/from_python/make_model.py save --out '$fp/model.pt' \
+    && '$bin/examples/from_python/from_python' --model '$fp/model.pt' --data .devdata/fashion-mnist \
+      --out '$fp' --devices cuda:0 \
+    && python3 examples/from_python/make_model.py check --model '$fp/finetuned.pt' \
+      --data .devdata/fashion-mnist; } 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" ops "* ]]; then
   step ops bash -o pipefail -c "'$bin/bench/mpipe_bench' --count-ops --warmup 2 \

@@ -24,6 +24,10 @@
 #include <fstream>
 #include <string>
 
+#include <csignal>
+#include <execinfo.h>
+#include <unistd.h>
+
 namespace {
 
 class ResultFiles : public ::testing::EmptyTestEventListener {
@@ -55,10 +59,25 @@ class ResultFiles : public ::testing::EmptyTestEventListener {
   std::string dir_;
 };
 
+/// On a crash, the stack to stderr before the process dies (the GPU machine
+/// has no debugger), then the signal's default action.
+void print_stack(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char what[] = "mpipe_tests: fatal signal; stack:\n";
+  (void)!write(2, what, sizeof(what) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  std::signal(SIGSEGV, print_stack);
+  std::signal(SIGBUS, print_stack);
+  std::signal(SIGABRT, print_stack);
   if (!::testing::GTEST_FLAG(list_tests)) {
     std::printf("mpipe %s tests; CUDA devices visible: %lld\n", MPIPE_VERSION_STRING,
                 static_cast<long long>(torch::cuda::device_count()));

@@ -8,21 +8,22 @@
 
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 namespace mpipe_test {
+
+/// Whether `key` of Optimizer::state() is `p`'s: its TensorImpl's address as
+/// text (1.13) or the address (2.x); an overload each, so both compile.
+inline bool is_state_key_of(const std::string& key, const torch::Tensor& p) {
+  return key == c10::str(p.unsafeGetTensorImpl());
+}
+inline bool is_state_key_of(const void* key, const torch::Tensor& p) {
+  return key == static_cast<const void*>(p.unsafeGetTensorImpl());
+}
 
 template <typename ParamState>
 const ParamState& param_state(const torch::optim::Optimizer& opt, const torch::Tensor& p) {
   for (const auto& kv : opt.state()) {
-    using Key = std::decay_t<decltype(kv.first)>;
-    bool mine = false;
-    if constexpr (std::is_same_v<Key, std::string>) {
-      mine = kv.first == c10::str(p.unsafeGetTensorImpl());
-    } else {
-      mine = kv.first == static_cast<Key>(p.unsafeGetTensorImpl());
-    }
-    if (mine) return static_cast<const ParamState&>(*kv.second);
+    if (is_state_key_of(kv.first, p)) return static_cast<const ParamState&>(*kv.second);
   }
   throw std::runtime_error("the optimizer holds no state for this parameter");
 }

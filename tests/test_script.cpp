@@ -1,7 +1,8 @@
 // TorchScript modules as stages (Note [TorchScript stages]): a module built
 // as Python's torch.jit.script(nn.Sequential(...)) would be, split by its
 // children or at named ones, gives the whole module's outputs and gradients
-// bit for bit; its parameters are the pipeline's, train, save and load.
+// bit for bit; its parameters are the pipeline's, train, save and load. And
+// AOTInductor packages as stages (Note [Exported stages]).
 
 #include "common.h"
 
@@ -11,7 +12,20 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/csrc/jit/serialization/import.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
+
+#include <unistd.h>
+
+// AOTInductor's package loader, where this LibTorch has it (2.x).
+#if defined(__has_include)
+#if __has_include(<torch/csrc/inductor/aoti_package/model_package_loader.h>)
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#define MPIPE_TEST_WITH_AOTI 1
+#endif
+#endif
 
 using namespace mpipe_test;
 using mpipe::ModelPipeline;
@@ -360,4 +374,122 @@ TEST(ScriptStages, BadSplitsAndInputsGetClearErrors) {
                                                std::vector<int64_t>{1});
   MPIPE_EXPECT_ERROR(split->forward(torch::randn({2, 4}), 1), "stage 0", "Two",
                      "returned 2 tensors", "returns one");
+}
+
+// Exported programs: AOTInductor .pt2 packages as stages (Note [Exported
+// stages]). The packages come from tests/export_packages.py, run with
+// python3's torch, on machines whose LibTorch has the package loader.
+namespace {
+
+std::filesystem::path scratch_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("mpipe_exported_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+}  // namespace
+
+TEST(ExportedStages, AMissingPackageOrALibTorchWithoutTheLoaderGetsAClearError) {
+  const auto dir = scratch_dir("errors");
+  ModelPipeline pipe;
+  MPIPE_EXPECT_ERROR(pipe->append(dir / "missing.pt2", "cpu"), "stage 0", "missing.pt2",
+                     "is not a file");
+#ifndef MPIPE_TEST_WITH_AOTI
+  std::ofstream(dir / "model.pt2") << "not read";
+  MPIPE_EXPECT_ERROR(pipe->append(dir / "model.pt2", "cpu"), "stage 0", "model.pt2",
+                     "no package loader", TORCH_VERSION, "torch::jit::load");
+#endif
+  EXPECT_EQ(pipe->size(), 0u) << "a refused stage is not appended";
+  pipe->append(torch::nn::Linear(3, 2), "cpu");  // still usable
+  EXPECT_EQ(pipe->forward(torch::ones({4, 3}), 2).sizes(), (std::vector<int64_t>{4, 2}));
+  std::filesystem::remove_all(dir);
+}
+
+// On a GPU: two packages as two stages give what the packages give run one
+// after another on each micro-batch, threaded and inline, eager and replayed
+// from a CUDA graph, and in the time-step calls; a C++ head after them
+// trains; a gradient through them is refused with a clear error.
+TEST(ExportedStages, PackagesOnTheGpuRunAsTheyDoOneAfterAnother_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+#ifndef MPIPE_TEST_WITH_AOTI
+  FAIL() << "this LibTorch has CUDA but no AOTInductor package loader";
+#else
+  const torch::Device gpu("cuda:0");
+  const auto dir = scratch_dir("gpu");
+  const std::string make = "python3 " MPIPE_TEST_SOURCE_DIR "/tests/export_packages.py " +
+                           dir.string() + " cuda";
+  ASSERT_EQ(std::system(make.c_str()), 0) << make;
+  const std::string front = (dir / "front.pt2").string(), back = (dir / "back.pt2").string();
+  torch::inductor::AOTIModelPackageLoader front_alone(front), back_alone(back);
+  torch::manual_seed(3);
+  const auto x = torch::randn({24, 32}, gpu), y = torch::randn({24, 16}, gpu);
+  // What the packages give one after another, micro-batch by micro-batch.
+  auto alone = [&](int64_t chunks) {
+    std::vector<torch::Tensor> outs;
+    for (const auto& part : x.chunk(chunks)) {
+      std::vector<torch::Tensor> in{part};
+      std::vector<torch::Tensor> mid = front_alone.run(in);
+      outs.push_back(back_alone.run(mid)[0]);
+    }
+    return torch::cat(outs);
+  };
+  for (bool threads : {true, false}) {
+    SCOPED_TRACE(threads ? "worker threads" : "inline");
+    ModelPipeline pipe(ModelPipelineOptions().worker_threads(threads));
+    pipe->append(std::filesystem::path(front), gpu).append(std::filesystem::path(back), gpu);
+    for (int64_t chunks : {1, 3, 4}) {
+      const auto expected = alone(chunks);
+      EXPECT_TRUE(torch::equal(pipe->forward(x, mpipe::chunks(chunks)), expected))
+          << chunks << " micro-batches, gradients on, eval mode";
+      torch::NoGradGuard no_grad;
+      for (int call = 0; call < 4; ++call) {  // the third and later calls replay a graph
+        EXPECT_TRUE(torch::equal(pipe->forward(x, mpipe::chunks(chunks)), expected))
+            << chunks << " micro-batches, call " << call;
+      }
+    }
+    EXPECT_GE(pipe->cuda_graphs_captured(), 1u) << "no call was replayed";
+    torch::NoGradGuard no_grad;
+    const auto one = alone(1);
+    EXPECT_TRUE(torch::equal(pipe->constant_forward(x, 3, true), one + one + one));
+  }
+  // A C++ head after the packages trains, with the packages frozen (eval).
+  torch::manual_seed(4);
+  torch::nn::Linear head(16, 16), plain_head(16, 16);
+  {
+    torch::NoGradGuard no_grad;
+    plain_head->weight.copy_(head->weight);
+    plain_head->bias.copy_(head->bias);
+  }
+  plain_head->to(gpu);
+  ModelPipeline pipe;
+  pipe->append(std::filesystem::path(front), gpu)
+      .append(std::filesystem::path(back), gpu)
+      .append(head, gpu);
+  const auto plain_loss = mse(plain_head(alone(1)), y);
+  plain_loss.backward();
+  pipe->train();  // the packages cannot train
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, mpipe::TrainStepOptions(1)), "stage 0",
+                     "front.pt2", "runs inference only", "training mode");
+  pipe->eval();  // the packages run; the head (no mode of its own) trains
+  pipe->zero_grad();
+  EXPECT_TRUE(torch::equal(pipe->train_step(x, y, mse, mpipe::TrainStepOptions(1)), plain_loss));
+  EXPECT_TRUE(torch::equal(head->weight.grad(), plain_head->weight.grad()));
+  EXPECT_TRUE(torch::equal(head->bias.grad(), plain_head->bias.grad()));
+  // A stage that trains before a package: its gradient cannot pass.
+  ModelPipeline behind;
+  behind->append(torch::nn::Linear(32, 32), gpu).append(std::filesystem::path(front), gpu);
+  behind->eval();
+  MPIPE_EXPECT_ERROR(behind->forward(x, 2), "stage 1", "micro-batch 0", "front.pt2",
+                     "cannot pass a gradient back", "input 0");
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(behind->forward(x, 2).sizes(), (std::vector<int64_t>{24, 64})) << "usable after";
+  }
+  // A package compiled for CUDA on a CPU stage.
+  MPIPE_EXPECT_ERROR(ModelPipeline()->append(std::filesystem::path(front), "cpu"), "stage 0",
+                     "compiled for cuda", "cpu");
+  std::filesystem::remove_all(dir);
+#endif
 }

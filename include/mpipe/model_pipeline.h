@@ -21,6 +21,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -147,6 +148,17 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// parameters and buffers are the pipeline's, under their own names, and
   /// stay shared with `module` (mpipe/script.h; Note [TorchScript stages]).
   ModelPipelineImpl& append(const torch::jit::Module& module, const DeviceArg& device);
+  /// append for a program exported from Python and compiled by AOTInductor:
+  /// the .pt2 package that torch._inductor.aoti_compile_and_package writes,
+  /// loaded onto `device` (of the type it was compiled for). Its forward
+  /// takes the stage's inputs, shaped as it was exported for, and returns its
+  /// outputs. It runs inference only: forward and the time-step calls with
+  /// gradients off (torch::NoGradGuard) or in eval mode, the mode it is
+  /// appended in; asked for a gradient (training mode with gradients on, or
+  /// an input that requires one) it throws. It has no parameters. Needs a
+  /// LibTorch with AOTInductor's package loader (2.x); Debian's 1.13 has
+  /// none, and there this throws (Note [Exported stages]).
+  ModelPipelineImpl& append(const std::filesystem::path& package, const DeviceArg& device);
 
   /// Splits `x` along dim 0 into micro-batches, streams them through the
   /// stages as a fill-drain wavefront and returns their outputs concatenated

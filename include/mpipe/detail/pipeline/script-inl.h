@@ -7,8 +7,26 @@
 #include <mpipe/model_pipeline.h>
 #include <mpipe/script.h>
 
+#include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/version.h>
+
+#include <filesystem>
+#include <memory>
+#include <type_traits>
+
+// AOTInductor's package loader: LibTorch 2.x (not mobile builds, not 1.13).
+#if defined(__has_include) && !defined(C10_MOBILE) && !defined(ANDROID)
+#if __has_include(<torch/csrc/inductor/aoti_package/model_package_loader.h>)
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#define MPIPE_HAS_AOTI 1
+#endif
+#endif
+#ifndef MPIPE_HAS_AOTI
+#define MPIPE_HAS_AOTI 0
+#endif
 
 namespace mpipe {
 namespace detail {
@@ -130,11 +148,127 @@ MPIPE_FUNC at::Tensor ScriptLayerImpl::forward(const at::Tensor& input) {
 
 MPIPE_FUNC void ScriptResetImpl::reset_state() { module_.run_method("reset"); }
 
+// Note [Exported stages]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A program exported from Python (torch.export) and compiled by AOTInductor
+// into a .pt2 package is a shared library of fused kernels with its weights
+// inside: no parameters to train, no autograd graph. So such a stage runs
+// inference only. It is appended in eval mode, and it refuses to run when
+// gradients are on and either it is in training mode (a train_step, or
+// forward after pipe->train(): its outputs would carry no gradient, and the
+// loss would silently train nothing before it) or an input requires a
+// gradient (a stage before it trains). Under torch::NoGradGuard or
+// c10::InferenceMode it runs in any mode.
+//
+// The package is loaded onto the stage's device (its index as the loader's
+// device, and current while it loads, for loaders that take none), and it
+// runs on the stream current on the stage's thread (AOTInductor's runner
+// takes the current stream when given none), so it overlaps with other
+// stages as any stage does and a CUDA graph can capture it. It keeps no
+// state between calls. A package compiled for one device type cannot run on
+// another: the device in its metadata must match the stage's.
+//
+// The loader exists only in LibTorch 2.x (torch/csrc/inductor/aoti_package,
+// found with __has_include when mpipe is compiled); elsewhere append(path)
+// throws, naming the LibTorch version.
+class ExportedStageImpl : public torch::nn::Module {
+ public:
+  ExportedStageImpl(const std::filesystem::path& package, c10::Device device);
+  Tensors forward(const Tensors& inputs);
+  void pretty_print(std::ostream& stream) const override {
+    stream << "mpipe::ExportedStage(" << path_ << ")";
+  }
+
+ private:
+  std::string path_;
+#if MPIPE_HAS_AOTI
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+#endif
+};
+TORCH_MODULE(ExportedStage);
+
+#if MPIPE_HAS_AOTI
+/// A loader for `path` on `device`: with the device's index where the
+/// loader takes one (LibTorch 2.7 and later), else with it current.
+template <typename Loader>
+std::unique_ptr<Loader> load_package(const std::string& path, c10::Device device) {
+  c10::OptionalDeviceGuard current;
+  if (device.has_index() && device.type() != c10::kCPU) current.reset_device(device);
+  if constexpr (std::is_constructible<Loader, const std::string&, const std::string&, bool,
+                                      size_t, c10::DeviceIndex>::value) {
+    return std::make_unique<Loader>(path, "model", false, size_t{1},
+                                    device.type() == c10::kCPU ? c10::DeviceIndex(-1)
+                                                               : device.index());
+  } else {
+    return std::make_unique<Loader>(path, "model");
+  }
+}
+#endif
+
+MPIPE_FUNC ExportedStageImpl::ExportedStageImpl(const std::filesystem::path& package,
+                                                c10::Device device)
+    : torch::nn::Module("mpipe::ExportedStage"), path_(package.string()) {
+  TORCH_CHECK(std::filesystem::is_regular_file(package), "the exported program ", path_,
+              " is not a file");
+#if MPIPE_HAS_AOTI
+  loader_ = load_package<torch::inductor::AOTIModelPackageLoader>(path_, device);
+  const auto metadata = loader_->get_metadata();
+  const auto compiled = metadata.find("AOTI_DEVICE_KEY");
+  if (compiled != metadata.end() && !compiled->second.empty()) {
+    TORCH_CHECK(c10::Device(compiled->second).type() == device.type(), "the exported program ",
+                path_, " was compiled for ", compiled->second, ", but the stage is on ", device);
+  }
+  train(false);  // Note [Exported stages]
+#else
+  (void)device;
+  TORCH_CHECK(false, path_,
+              " is an exported program (an AOTInductor .pt2 package), but this LibTorch (",
+              TORCH_VERSION,
+              ") has no package loader for it; exported stages need LibTorch 2.x, TorchScript "
+              "stages (torch::jit::load) run on every LibTorch");
+#endif
+}
+
+MPIPE_FUNC Tensors ExportedStageImpl::forward(const Tensors& inputs) {
+#if MPIPE_HAS_AOTI
+  if (at::GradMode::is_enabled()) {  // Note [Exported stages]
+    TORCH_CHECK(!is_training(), "the exported program ", path_,
+                " runs inference only, but it was called in training mode with gradients on; "
+                "call it under torch::NoGradGuard, or put the pipeline in eval mode");
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      TORCH_CHECK(!inputs[k].defined() || !inputs[k].requires_grad(), "the exported program ",
+                  path_, " cannot pass a gradient back, but its input ", k,
+                  " requires one (a stage before it trains); call it under torch::NoGradGuard");
+    }
+  }
+  std::vector<at::Tensor> in(inputs.begin(), inputs.end());
+  return loader_->run(in);
+#else
+  TORCH_CHECK(false, "the exported program ", path_, " was not loaded (", inputs.size(),
+              " inputs)");
+  return {};
+#endif
+}
+
 }  // namespace detail
 
 MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append(const torch::jit::Module& module,
                                                         const DeviceArg& device) {
   return append(detail::ScriptStage(module), device);
+}
+
+MPIPE_FUNC ModelPipelineImpl& ModelPipelineImpl::append(const std::filesystem::path& package,
+                                                        const DeviceArg& device) {
+  detail::ExportedStage stage{nullptr};
+  c10::Device where = c10::kCPU;
+  try {
+    where = resolve_device(device);
+    stage = detail::ExportedStage(package, where);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "mpipe::ModelPipeline::append: stage ", size(), ": ",
+                e.what_without_backtrace());
+  }
+  return append(stage, where);
 }
 
 MPIPE_FUNC torch::nn::Sequential script_layers(const torch::jit::Module& module) {
