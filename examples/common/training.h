@@ -232,7 +232,8 @@ struct CommonFlags {
 
 /// The flags of every example: --devices, --data, --out, --seed, --quick, --skip-if-no-data.
 inline void add_run_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help,
-                          const std::string& data_help, const std::string& out_help) {
+                          const std::string& data_help, const std::string& out_help,
+                          bool resumable = true) {
   app.add_option("--devices", f.devices,
                  "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
   app.add_option("--data", f.data, data_help);
@@ -241,6 +242,7 @@ inline void add_run_flags(CLI::App& app, CommonFlags& f, const std::string& quic
   app.add_flag("--quick", f.quick, quick_help);
   app.add_flag("--skip-if-no-data", f.skip_if_no_data,
                "exit 77 (a skip for ctest) when the data set is not installed");
+  if (!resumable) return;
   app.add_flag("--resume", f.resume,
                "continue from the newest whole job checkpoint in OUT/checkpoints, if there is "
                "one (else start afresh): bit for bit where the saved run would have gone");
@@ -389,15 +391,19 @@ inline torch::Tensor epoch_order(int64_t n, torch::Tensor& state) {
   return torch::randperm(n, torch::TensorOptions(torch::kLong));
 }
 
-/// add_run_flags for the Fashion-MNIST examples, and their own flags.
-inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help) {
+/// add_run_flags for the Fashion-MNIST examples, and their own flags; with
+/// `full` false, without --resume, --checkpoint-every, --timeline and
+/// --memory-report (for a program that offers none of them).
+inline void add_common_flags(CLI::App& app, CommonFlags& f, const std::string& quick_help,
+                             bool full = true) {
   add_run_flags(app, f, quick_help, "folder with the Fashion-MNIST IDX files (.gz or not)",
-                "folder for the trained weights");
+                "folder for the trained weights", full);
   app.add_option("--train-limit", f.train_limit, "use the first N training images (0: all)");
   app.add_option("--test-limit", f.test_limit, "use the first N test images (0: all)");
   app.add_option("--min-accuracy", f.min_accuracy,
                  "exit 1 if the final test accuracy (a fraction) is below this");
   app.add_flag("--inline", f.inline_host, "issue all stages from the caller's thread");
+  if (!full) return;
   app.add_option("--timeline", f.timeline,
                  "record the second training step's tasks; write PREFIX.json (Chrome trace) and "
                  "PREFIX.svg (Gantt chart)");

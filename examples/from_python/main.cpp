@@ -214,20 +214,8 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", cfg.micro_batches, "micro-batches per step")
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "AdamW's learning rate");
-  examples::CommonFlags& f = cfg.common;
-  app.add_option("--devices", f.devices,
-                 "auto (all GPUs, else CPU), cpu, cuda, or a list such as cuda:0,cuda:1,cpu");
-  app.add_option("--data", f.data, "folder with the Fashion-MNIST IDX files (.gz or not)");
-  app.add_option("--out", f.out, "folder for finetuned.pt");
-  app.add_option("--seed", f.seed, "random seed");
-  app.add_flag("--quick", f.quick, "150 steps on a data subset, for a quick check");
-  app.add_option("--train-limit", f.train_limit, "use the first N training images (0: all)");
-  app.add_option("--test-limit", f.test_limit, "use the first N test images (0: all)");
-  app.add_option("--min-accuracy", f.min_accuracy,
-                 "exit 1 if the final test accuracy (a fraction) is below this");
-  app.add_flag("--inline", f.inline_host, "issue all stages from the caller's thread");
-  app.add_flag("--skip-if-no-data", f.skip_if_no_data,
-               "exit 77 (a skip for ctest) when the data set is not installed");
+  examples::add_common_flags(app, cfg.common, "150 steps on a data subset, for a quick check",
+                             /*full=*/false);
   CLI11_PARSE(app, argc, argv);
   return examples::run_guarded([&] { return run(cfg); });
 }
