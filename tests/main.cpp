@@ -26,6 +26,8 @@
 
 #include <csignal>
 #include <execinfo.h>
+#include <signal.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 namespace {
@@ -60,12 +62,19 @@ class ResultFiles : public ::testing::EmptyTestEventListener {
 };
 
 /// On a crash, the stack to stderr before the process dies (the GPU machine
-/// has no debugger), then the signal's default action.
-void print_stack(int sig) {
-  void* frames[64];
-  const int n = backtrace(frames, 64);
-  const char what[] = "mpipe_tests: fatal signal; stack:\n";
+/// has no debugger): the unwound frames, then the faulting instruction and
+/// the code addresses among the top 64 words of the stack (where unwinding
+/// stops, as after a call through a null pointer); then the default action.
+void print_stack(int sig, siginfo_t* info, void* context) {
+  void* frames[128];
+  int n = backtrace(frames, 64);
+  const char what[] = "mpipe_tests: fatal signal; stack, then the faulting pc and stack words:\n";
   (void)!write(2, what, sizeof(what) - 1);
+  const auto* uc = static_cast<const ucontext_t*>(context);
+  frames[n++] = reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]);
+  frames[n++] = info->si_addr;
+  auto* const* sp = reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+  for (int k = 0; k < 62; ++k) frames[n++] = sp[k];
   backtrace_symbols_fd(frames, n, 2);
   std::signal(sig, SIG_DFL);
   std::raise(sig);
@@ -75,9 +84,10 @@ void print_stack(int sig) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  std::signal(SIGSEGV, print_stack);
-  std::signal(SIGBUS, print_stack);
-  std::signal(SIGABRT, print_stack);
+  struct sigaction on_crash {};
+  on_crash.sa_sigaction = print_stack;
+  on_crash.sa_flags = SA_SIGINFO;
+  for (int sig : {SIGSEGV, SIGBUS, SIGABRT}) sigaction(sig, &on_crash, nullptr);
   if (!::testing::GTEST_FLAG(list_tests)) {
     std::printf("mpipe %s tests; CUDA devices visible: %lld\n", MPIPE_VERSION_STRING,
                 static_cast<long long>(torch::cuda::device_count()));
