@@ -164,8 +164,9 @@ MPIPE_FUNC void ScriptResetImpl::reset_state() { module_.run_method("reset"); }
 // device, and current while it loads, for loaders that take none), and it
 // runs on the stream current on the stage's thread (AOTInductor's runner
 // takes the current stream when given none), so it overlaps with other
-// stages as any stage does and a CUDA graph can capture it. It keeps no
-// state between calls. A package compiled for one device type cannot run on
+// stages as any stage does, and automatic CUDA graphs try to capture it
+// (its kernels are launched on that stream; a capture that fails leaves the
+// call eager, Note [Automatic CUDA graphs]). It keeps no state between calls. A package compiled for one device type cannot run on
 // another: the device in its metadata must match the stage's.
 //
 // The loader exists only in LibTorch 2.x (torch/csrc/inductor/aoti_package,
