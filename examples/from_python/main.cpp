@@ -9,7 +9,7 @@
 #include "training.h"
 
 #include <mpipe/balance.h>
-#include <mpipe/mpipe.h>
+#include <mpipe/model_pipeline.h>
 #include <mpipe/script.h>
 
 #include <torch/csrc/jit/api/module.h>
