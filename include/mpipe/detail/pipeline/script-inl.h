@@ -242,7 +242,7 @@ MPIPE_FUNC Tensors ExportedStageImpl::forward(const Tensors& inputs) {
                   " requires one (a stage before it trains); call it under torch::NoGradGuard");
     }
   }
-  std::vector<at::Tensor> in(inputs.begin(), inputs.end());
+  std::vector<at::Tensor> in(inputs);  // a copy: loaders before 2.6 take a non-const vector
   return loader_->run(in);
 #else
   TORCH_CHECK(false, "the exported program ", path_, " was not loaded (", inputs.size(),
