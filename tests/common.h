@@ -210,13 +210,14 @@ inline mpipe::TrainStepOptions schedule_options(mpipe::Schedule schedule, int64_
   return o;
 }
 
-/// A name usable in test names: GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, Auto.
+/// A name usable in test names: GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, ZeroBubbleV, Auto.
 inline std::string schedule_name(mpipe::Schedule s) {
   switch (s) {
     case mpipe::Schedule::GPipe: return "GPipe";
     case mpipe::Schedule::OneFOneB: return "OneFOneB";
     case mpipe::Schedule::Interleaved1F1B: return "Interleaved1F1B";
     case mpipe::Schedule::ZeroBubbleH1: return "ZeroBubbleH1";
+    case mpipe::Schedule::ZeroBubbleV: return "ZeroBubbleV";
     case mpipe::Schedule::Auto: return "Auto";
   }
   return "Unknown";

@@ -130,7 +130,7 @@ TEST(TrainingSchedule, InterleavedProgramsFollowMegatronsRule) {
        F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1),
        F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 1), B(3, 1)}};
   EXPECT_EQ(p, expected) << describe(p);
-  EXPECT_EQ(mpipe::detail::stage_ranks(p), (std::vector<int64_t>{0, 1, 0, 1}));
+  EXPECT_EQ(mpipe::schedules::stage_workers(p), (std::vector<int64_t>{0, 1, 0, 1}));
   // One chunk per rank is 1F1B.
   EXPECT_EQ(sch::interleaved_one_f_one_b(5, 3, 1), sch::one_f_one_b(5, 3));
   // 3 micro-batches: built for 4, micro-batch 3's operations dropped.

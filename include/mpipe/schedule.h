@@ -36,19 +36,25 @@ enum class Schedule {
   /// the input gradient and the weight gradient, the latter deferred into the
   /// bubbles; 1F1B's peak memory.
   ZeroBubbleH1,
+  /// ZB-V (schedules::zero_bubble_v): 2D stages on D workers in a V, worker w
+  /// running stages w and 2D-1-w, backwards split as ZB-H1's; almost no
+  /// bubble at 1F1B's peak memory. Place stage s on the device of worker
+  /// schedules::stage_workers(programs)[s] when you append it.
+  ZeroBubbleV,
   /// The schedule with the least predicted step time whose predicted
   /// activation memory fits TrainStepOptions::memory_limit (choose_schedule,
   /// Note [Choosing a schedule]); the timeline names the one that ran.
   Auto,
 };
 
-/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1" or "Auto".
+/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-V" or "Auto".
 inline const char* to_string(Schedule s) {
   switch (s) {
     case Schedule::GPipe: return "GPipe";
     case Schedule::OneFOneB: return "1F1B";
     case Schedule::Interleaved1F1B: return "Interleaved1F1B";
     case Schedule::ZeroBubbleH1: return "ZB-H1";
+    case Schedule::ZeroBubbleV: return "ZB-V";
     case Schedule::Auto: return "Auto";
   }
   return "?";
@@ -98,11 +104,11 @@ struct Op {
   /// The stage it runs.
   int64_t stage;
   /// Same kind, micro-batch and stage.
-  friend bool operator==(const Op& a, const Op& b) {
-    return a.kind == b.kind && a.micro_batch == b.micro_batch && a.stage == b.stage;
+  bool operator==(const Op& b) const {
+    return kind == b.kind && micro_batch == b.micro_batch && stage == b.stage;
   }
   /// Not operator==.
-  friend bool operator!=(const Op& a, const Op& b) { return !(a == b); }
+  bool operator!=(const Op& b) const { return !(*this == b); }
 };
 
 /// The forward of `micro_batch` on `stage`.
@@ -127,6 +133,26 @@ inline std::ostream& operator<<(std::ostream& out, const Op& op) {
 
 /// One rank's operations, in the order it runs them.
 using Program = std::vector<Op>;
+
+/// What a stage's operations cost, in any unit of time. A full backward costs
+/// backward_input + backward_weight. `transfer` delays the next stage's
+/// forward (and this stage's backward input from the next stage) by the time
+/// to move an activation or gradient across the boundary after this stage
+/// (nothing where both stages run on one worker).
+struct StageCost {
+  /// The time of F.
+  double forward = 1;
+  /// The time of I (the input gradient).
+  double backward_input = 1;
+  /// The time of W (the weight gradient).
+  double backward_weight = 1;
+  /// The time to hand an activation or gradient to or from the next stage.
+  double transfer = 0;
+};
+
+/// Costs of every stage: empty for the unit costs above, one entry for all
+/// stages alike, or one per stage.
+using Costs = std::vector<StageCost>;
 
 }  // namespace schedules
 
@@ -266,61 +292,24 @@ inline std::vector<Program> zero_bubble_h1(int64_t n_micro, int64_t n_stages) {
   return programs;
 }
 
+/// ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6):
+/// 2 * n_workers stages in a V, worker w running stages w and
+/// 2 * n_workers - 1 - w (the first and the last stage share worker 0), each
+/// backward split into I and W, the W's deferred into what would be idle
+/// time, within 1F1B's peak memory (2 * n_workers activations of these
+/// half-size stages per worker). With F = I = W and n_micro a multiple of
+/// n_workers the run takes 6 n_micro + n_workers - 1 time units, the least
+/// possible; with fewer micro-batches than workers, ZB-H1 over n_workers
+/// stages is faster. Built by list scheduling (Note [Greedy schedules] in
+/// mpipe/detail/schedules/greedy.h).
+inline std::vector<Program> zero_bubble_v(int64_t n_micro, int64_t n_workers);
+
 /// Throws c10::ValueError (a c10::Error) unless the programs run, for every
 /// stage s < n_stages and micro-batch i < n_micro, F(i, s) exactly once and then either
 /// B(i, s) once or I(i, s) once and later W(i, s) once, all of a stage's
 /// operations on one rank (with `backward` = false: F only).
 inline void validate(const std::vector<Program>& programs, int64_t n_stages, int64_t n_micro,
-                     bool backward = true) {
-  auto fail = [](const std::string& what) {
-    TORCH_CHECK_VALUE(false, "mpipe::schedules::validate: " + what);
-  };
-  if (n_stages <= 0 || n_micro <= 0) {
-    fail("sizes must be positive, got n_stages=" + std::to_string(n_stages) +
-         ", n_micro=" + std::to_string(n_micro));
-  }
-  const auto n = static_cast<size_t>(n_stages), m = static_cast<size_t>(n_micro);
-  std::vector<int64_t> rank(n, -1);
-  // Per (stage, micro-batch): bit 1 F, 2 B, 4 I, 8 W seen.
-  std::vector<std::vector<int>> seen(n, std::vector<int>(m, 0));
-  for (size_t r = 0; r < programs.size(); ++r) {
-    for (const Op& op : programs[r]) {
-      // Formatted only on failure: validate runs before every executor run.
-      auto where = [&] { return c10::str(op) + " on rank " + std::to_string(r); };
-      if (op.stage < 0 || op.stage >= n_stages || op.micro_batch < 0 || op.micro_batch >= n_micro) {
-        fail(where() + ": stage or micro-batch out of range (" + std::to_string(n_stages) +
-             " stages, " + std::to_string(n_micro) + " micro-batches)");
-      }
-      auto& at = rank[static_cast<size_t>(op.stage)];
-      if (at >= 0 && at != static_cast<int64_t>(r)) {
-        fail(where() + ": stage " + std::to_string(op.stage) + " also runs on rank " +
-             std::to_string(at));
-      }
-      at = static_cast<int64_t>(r);
-      int& bits = seen[static_cast<size_t>(op.stage)][static_cast<size_t>(op.micro_batch)];
-      const int bit = op.kind == OpKind::Forward ? 1 : op.kind == OpKind::Backward ? 2
-                      : op.kind == OpKind::BackwardInput ? 4 : 8;
-      if (bits & bit) fail(where() + ": repeated");
-      if (bit != 1 && !backward) fail(where() + ": a backward in a forward-only call");
-      if (bit != 1 && !(bits & 1)) fail(where() + ": before the forward");
-      if ((bit == 2 && (bits & 12)) || (bit == 4 && (bits & 2))) {
-        fail(where() + ": both a full and a split backward");
-      }
-      if (bit == 8 && !(bits & 4)) fail(where() + ": the weight gradient before the input gradient");
-      bits |= bit;
-    }
-  }
-  for (size_t s = 0; s < n; ++s) {
-    for (size_t i = 0; i < m; ++i) {
-      const int bits = seen[s][i];
-      if (!(bits & 1) || (backward && bits != 3 && bits != 13)) {
-        fail("stage " + std::to_string(s) + " misses " +
-             (!(bits & 1) ? "the forward" : (bits & 4) ? "the weight gradient" : "the backward") +
-             " of micro-batch " + std::to_string(i));
-      }
-    }
-  }
-}
+                     bool backward = true);
 
 /// The most activation memory a rank holds at once while running `program`:
 /// a (stage, micro-batch) holds `per_stage[stage]` (1 when per_stage is empty)
@@ -338,10 +327,25 @@ inline double peak_activations(const Program& program, const std::vector<double>
   return peak;
 }
 
+
+/// The worker that runs each stage in `programs`: stage s on worker
+/// stage_workers(programs)[s] (-1 for a stage none runs).
+inline std::vector<int64_t> stage_workers(const std::vector<Program>& programs) {
+  std::vector<int64_t> out;
+  for (size_t r = 0; r < programs.size(); ++r) {
+    for (const Op& op : programs[r]) {
+      if (static_cast<int64_t>(out.size()) <= op.stage) out.resize(static_cast<size_t>(op.stage) + 1, -1);
+      out[static_cast<size_t>(op.stage)] = static_cast<int64_t>(r);
+    }
+  }
+  return out;
+}
+
 }  // namespace schedules
 
 /// The programs `s` gives n_stages stages (not Auto), one per worker: a
-/// starting point for hand-written TrainStepOptions::programs.
+/// starting point for hand-written TrainStepOptions::programs. ZeroBubbleV
+/// needs an even n_stages (n_stages / 2 workers).
 inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
                                                     int64_t virtual_stages = 1) {
   switch (s) {
@@ -350,11 +354,18 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
     case Schedule::Interleaved1F1B:
       return schedules::interleaved_one_f_one_b(n_micro, n_stages, virtual_stages);
     case Schedule::ZeroBubbleH1: return schedules::zero_bubble_h1(n_micro, n_stages);
+    case Schedule::ZeroBubbleV:
+      TORCH_CHECK_VALUE(n_stages % 2 == 0, "mpipe: ZB-V needs an even number of stages (two per "
+                        "worker, in a V), got ", n_stages);
+      return schedules::zero_bubble_v(n_micro, n_stages / 2);
     case Schedule::Auto: break;
   }
   TORCH_CHECK_VALUE(false, "mpipe::programs_for: Auto is not a schedule; use choose_schedule");
 }
 
 }  // namespace mpipe
+
+#include <mpipe/detail/schedules/greedy.h>    // zero_bubble_v's definition
+#include <mpipe/detail/schedules/validate.h>  // validate's
 
 #endif  // MPIPE_SCHEDULE_H_

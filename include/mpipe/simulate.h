@@ -1,8 +1,7 @@
 #ifndef MPIPE_SIMULATE_H_
 #define MPIPE_SIMULATE_H_
 
-// Programs in time: what a stage's operations cost (`StageCost`), and
-// simulate(), which runs programs (mpipe/schedule.h, Note [Programs]) on that
+// Programs in time: simulate(), which runs programs (mpipe/schedule.h, Note [Programs]) on that
 // clock, with makespan() and bubble() from it. Pure functions, like the
 // schedules: no tensors and no threads, so they are tested exactly;
 // choose_schedule (mpipe/training.h) and the timeline's predicted bubble use
@@ -20,25 +19,6 @@
 namespace mpipe {
 namespace schedules {
 
-/// What a stage's operations cost, in any unit of time. A full backward costs
-/// backward_input + backward_weight. `transfer` delays the next stage's
-/// forward (and this stage's backward input from the next stage) by the time
-/// to move an activation or gradient across the boundary after this stage.
-struct StageCost {
-  /// The time of F.
-  double forward = 1;
-  /// The time of I (the input gradient).
-  double backward_input = 1;
-  /// The time of W (the weight gradient).
-  double backward_weight = 1;
-  /// The time to hand an activation or gradient to or from the next stage.
-  double transfer = 0;
-};
-
-/// Costs of every stage: empty for the unit costs above, one entry for all
-/// stages alike, or one per stage.
-using Costs = std::vector<StageCost>;
-
 /// An operation as simulate() ran it: on which rank, from when to when.
 struct TimedOp {
   /// The rank (worker) that ran it.
@@ -50,14 +30,15 @@ struct TimedOp {
   /// When it ended.
   double end;
   /// Same rank, operation, start and end.
-  friend bool operator==(const TimedOp& a, const TimedOp& b) {
-    return a.rank == b.rank && a.op == b.op && a.start == b.start && a.end == b.end;
+  bool operator==(const TimedOp& b) const {
+    return rank == b.rank && op == b.op && start == b.start && end == b.end;
   }
 };
 
 /// Runs `programs`: each rank runs its operations in order, one at a time,
 /// each as early as its rank is free and its inputs exist (the dependencies
-/// of Note [Programs]), taking the stage's cost. `devices` (one per rank; empty:
+/// of Note [Programs]), taking the stage's cost; a hand-off costs `transfer`
+/// between stages of different ranks, nothing between two of one rank. `devices` (one per rank; empty:
 /// every rank its own) names the device each rank computes on; ranks on one
 /// device run one operation at a time between them, the earliest-ready first.
 /// Returns every operation with its start and end, by start time
@@ -91,6 +72,16 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
                           c.transfer >= 0,
                       "mpipe::schedules::simulate: stage ", s, " has a negative or NaN cost");
   }
+  // A hand-off between stages of one rank costs nothing (it stays on the worker).
+  std::vector<size_t> rank_of(static_cast<size_t>(n), 0);
+  for (size_t r = 0; r < programs.size(); ++r) {
+    for (const Op& op : programs[r]) rank_of[static_cast<size_t>(op.stage)] = r;
+  }
+  auto hand_off = [&](int64_t from) {  // between stage `from` and from + 1
+    return rank_of[static_cast<size_t>(from)] == rank_of[static_cast<size_t>(from) + 1]
+               ? 0.0
+               : cost(from).transfer;
+  };
   const double unset = -1;
   // End times per (stage, micro-batch): forward, and input gradient (B or I).
   std::vector<std::vector<double>> f_end(static_cast<size_t>(n),
@@ -117,7 +108,7 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
     if (op.kind == OpKind::Forward) {
       if (s > 0) {
         if (f_end[s - 1][i] == unset) return -1;
-        ready = std::max(ready, f_end[s - 1][i] + cost(op.stage - 1).transfer);
+        ready = std::max(ready, f_end[s - 1][i] + hand_off(op.stage - 1));
       }
     } else if (op.kind == OpKind::BackwardWeight) {
       if (g_end[s][i] == unset) return -1;
@@ -127,7 +118,7 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
       ready = std::max(ready, f_end[s][i]);
       if (static_cast<int64_t>(s) + 1 < n) {
         if (g_end[s + 1][i] == unset) return -1;
-        ready = std::max(ready, g_end[s + 1][i] + cost(op.stage).transfer);
+        ready = std::max(ready, g_end[s + 1][i] + hand_off(op.stage));
       }
     }
     return ready;

@@ -11,7 +11,6 @@
 
 #include "mpipe/detail/runtime/errors.h"
 #include "mpipe/detail/runtime/items.h"
-#include "mpipe/detail/runtime/programs.h"
 #include "mpipe/detail/runtime/streams.h"
 #include "mpipe/detail/runtime/time_chunks.h"
 
@@ -155,7 +154,7 @@ MPIPE_FUNC void Call::execute(CallSpec& spec, bool threaded) {
     // programs give the fill-drain (n - 1) / (m + n - 1)).
     recorder = std::make_shared<Recorder>(spec.method, spec.item_name, spec.n_items,
                                           parts_.stages.devices, schedules::bubble(spec.programs));
-    if (spec.training) recorder->describe_schedule(spec.schedule, stage_ranks(spec.programs));
+    if (spec.training) recorder->describe_schedule(spec.schedule, schedules::stage_workers(spec.programs));
   }
   spec.recorder = recorder.get();
   parts_.executor.run(spec, parts_.stages.forwards, threaded);
@@ -350,6 +349,8 @@ MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   TORCH_CHECK_VALUE(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
                     " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
                     "n_stages / virtual_stages))");
+  TORCH_CHECK_VALUE(step.schedule() != Schedule::ZeroBubbleV || n_stages % 2 == 0, "mpipe::"
+                    "ModelPipeline::train_step: ZB-V needs an even number of stages, got ", n_stages);
   const auto& costs = step.stage_costs();
   TORCH_CHECK_VALUE(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
                     "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),

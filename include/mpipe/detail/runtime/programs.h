@@ -1,8 +1,8 @@
 #pragma once
 
 // Private: facts about schedule programs that the runtime, not the user,
-// needs: constant_train_step's programs, which rank runs each stage, and the
-// activations in flight (the tests check them).
+// needs: constant_train_step's programs and the activations in flight
+// (the tests check them).
 
 #include <mpipe/schedule.h>
 
@@ -25,18 +25,6 @@ inline std::vector<schedules::Program> chained(int64_t n_chunks, int64_t n_stage
     for (int64_t i = n_chunks - 1; i >= 0; --i) p.push_back(schedules::B(i, s));
   }
   return programs;
-}
-
-/// The rank that runs each stage (validated programs).
-inline std::vector<int64_t> stage_ranks(const std::vector<schedules::Program>& programs) {
-  std::vector<int64_t> rank;
-  for (size_t r = 0; r < programs.size(); ++r) {
-    for (const schedules::Op& op : programs[r]) {
-      if (static_cast<int64_t>(rank.size()) <= op.stage) rank.resize(static_cast<size_t>(op.stage) + 1, -1);
-      rank[static_cast<size_t>(op.stage)] = static_cast<int64_t>(r);
-    }
-  }
-  return rank;
 }
 
 /// The most (stage, micro-batch) activations a rank holds at once.

@@ -1,0 +1,158 @@
+// V-shaped schedules: ZB-V as a pure function (its placement, makespan and
+// peak memory against the paper's), and the runtime running it equal to the
+// plain model, threaded and inline, with checkpointing.
+
+#include "common.h"
+
+#include <mpipe/mpipe.h>
+
+using namespace mpipe_test;
+using mpipe::Checkpoint;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::Schedule;
+using mpipe::TrainStepOptions;
+namespace sch = mpipe::schedules;
+
+namespace {
+
+double max_peak(const std::vector<sch::Program>& programs) {
+  double peak = 0;
+  for (const auto& p : programs) peak = std::max(peak, sch::peak_activations(p));
+  return peak;
+}
+
+}  // namespace
+
+TEST(ZeroBubbleV, PlacesStagesInAV) {
+  EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(1, 3)), (std::vector<int64_t>{0, 1, 2, 2, 1, 0}));
+  EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(4, 1)), (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(sch::stage_workers(mpipe::programs_for(Schedule::ZeroBubbleV, 2, 8)),
+            (std::vector<int64_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+  EXPECT_STREQ(mpipe::to_string(Schedule::ZeroBubbleV), "ZB-V");
+  MPIPE_EXPECT_ERROR(mpipe::programs_for(Schedule::ZeroBubbleV, 2, 5), "ZB-V", "even", "5");
+  EXPECT_THROW(sch::zero_bubble_v(0, 2), c10::Error);
+  EXPECT_THROW(sch::zero_bubble_v(2, 0), c10::Error);
+}
+
+// Qi et al. 2024 ("Zero Bubble Pipeline Parallelism", section 6): ZB-V keeps
+// 1F1B's peak activation memory and, with F = B = W, leaves no bubble but
+// the last worker's start. Here in units of a half-size stage: D workers, 2D
+// stages, each micro-batch 6 units of work per worker.
+TEST(ZeroBubbleV, MakespanAndPeakMemoryFollowThePaper) {
+  for (int64_t d = 1; d <= 6; ++d) {
+    for (int64_t m = 1; m <= 3 * d + 1; ++m) {
+      SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches");
+      const auto p = sch::zero_bubble_v(m, d);
+      ASSERT_EQ(static_cast<int64_t>(p.size()), d);
+      EXPECT_NO_THROW(sch::validate(p, 2 * d, m));
+      const double span = sch::makespan(p);
+      // The least possible: worker D-1 waits D-1 units for its first input,
+      // then has 6m units of work; one micro-batch is a chain of 4D + 1.
+      EXPECT_GE(span, std::max(6.0 * m + d - 1, 4.0 * d + 1));
+      if (m % d == 0) EXPECT_DOUBLE_EQ(span, 6.0 * m + d - 1);
+      // 1F1B's peak over D stages of twice the size: D full stages' worth.
+      EXPECT_LE(max_peak(p), 2.0 * d);
+      if (m < d) continue;
+      // Never slower than ZB-H1 on the same D workers with whole stages
+      // (F, I and W each 2 units), and faster than 1F1B there.
+      const sch::Costs whole = {sch::StageCost{2, 2, 2, 0}};
+      EXPECT_LE(span, sch::makespan(sch::zero_bubble_h1(m, d), whole));
+      if (d > 1) EXPECT_LT(span, sch::makespan(sch::one_f_one_b(m, d), whole));
+    }
+  }
+}
+
+TEST(ZeroBubbleV, AHandOffBetweenTwoStagesOfOneWorkerCostsNothing) {
+  // 2 workers: stages 1 and 2 share worker 1, so only 0-1 and 2-3 pay.
+  const sch::Costs costs = {sch::StageCost{1, 1, 1, 5}};
+  const auto p = sch::zero_bubble_v(1, 2);
+  double f2_start = -1, f1_end = -1;
+  for (const auto& t : sch::simulate(p, costs)) {
+    if (t.op == sch::F(0, 1)) f1_end = t.end;
+    if (t.op == sch::F(0, 2)) f2_start = t.start;
+  }
+  EXPECT_DOUBLE_EQ(f1_end, 7);  // 1 + 5 + 1
+  EXPECT_DOUBLE_EQ(f2_start, f1_end);
+}
+
+namespace {
+
+struct VCase {
+  Checkpoint checkpoint;
+  bool threads;
+};
+
+class ZeroBubbleVStep : public ::testing::TestWithParam<VCase> {};
+
+}  // namespace
+
+// Loss, the input's gradient and every parameter's gradient equal the plain
+// model's exactly: 1 to 4 workers, 1 to 3D micro-batches (and uneven ones).
+TEST_P(ZeroBubbleVStep, EqualsThePlainModel) {
+  torch::manual_seed(21);
+  const int64_t width = 4;
+  for (int64_t d = 1; d <= 4; ++d) {
+    auto pipe = ModelPipeline(ModelPipelineOptions()
+                                  .worker_threads(GetParam().threads)
+                                  .checkpoint(GetParam().checkpoint)
+                                  .record_timeline(true));
+    std::vector<torch::nn::Sequential> stages;
+    for (int64_t s = 0; s < 2 * d; ++s) {
+      stages.push_back(mlp_stage(width, width));
+      stages.back()->to(torch::kDouble);
+      pipe->append(stages.back(), "cpu");
+    }
+    const std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+    for (int64_t m = 1; m <= 3 * d; ++m) {
+      for (int64_t extra : {0, 1}) {  // m micro-batches of 2 rows, or the last one short
+        const int64_t batch = 2 * m - extra;
+        SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches, batch " +
+                     std::to_string(batch));
+        const auto x = torch::randn({batch, width}, torch::kDouble);
+        const auto y = torch::randn({batch, width}, torch::kDouble);
+        expect_train_step_transparent(pipe, stages, devices, x, y, mse,
+                                      TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
+        // Bit for bit GPipe's step: each stage adds its micro-batches'
+        // gradients in the same order.
+        auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+        const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(2));
+        const auto g1 = grads_of(*pipe);
+        zero_grads(*pipe);
+        const auto l2 = pipe->train_step(x2, y, mse, TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
+        const auto g2 = grads_of(*pipe);
+        zero_grads(*pipe);
+        EXPECT_TRUE(torch::equal(l1, l2));
+        EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
+        ASSERT_EQ(g1.size(), g2.size());
+        for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+      }
+    }
+    const auto t = pipe->timeline();  // the last step's
+    EXPECT_EQ(t.schedule, "ZB-V");
+    EXPECT_EQ(t.stage_ranks, sch::stage_workers(sch::zero_bubble_v(1, d)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, ZeroBubbleVStep,
+                         ::testing::Values(VCase{Checkpoint::Never, true},
+                                           VCase{Checkpoint::Never, false},
+                                           VCase{Checkpoint::ExceptLast, true},
+                                           VCase{Checkpoint::Always, false}),
+                         [](const ::testing::TestParamInfo<VCase>& info) {
+                           const auto& c = info.param;
+                           return std::string(c.checkpoint == Checkpoint::Never ? "NoCheckpoint"
+                                              : c.checkpoint == Checkpoint::ExceptLast
+                                                  ? "CheckpointExceptLast"
+                                                  : "CheckpointAlways") +
+                                  (c.threads ? "_Threads" : "_Inline");
+                         });
+
+TEST(ZeroBubbleVErrors, AnOddStageCountIsRefusedAndThePipelineStaysUsable) {
+  auto pipe = ModelPipeline();
+  pipe->append(mlp_stage(3, 3), "cpu").append(mlp_stage(3, 3), "cpu").append(mlp_stage(3, 3), "cpu");
+  const auto x = torch::randn({4, 3}), y = torch::randn({4, 3});
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(2).schedule(Schedule::ZeroBubbleV)),
+                     "ZB-V", "even number of stages", "3");
+  EXPECT_TRUE(pipe->train_step(x, y, mse, TrainStepOptions(2)).defined());
+}
