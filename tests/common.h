@@ -8,6 +8,9 @@
 
 #include <mpipe/mpipe.h>
 
+#include <ftw.h>
+
+#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
@@ -115,6 +118,14 @@ inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, double 
   const double diff = (a.cpu().to(torch::kDouble) - b.cpu().to(torch::kDouble)).abs().max()
                           .item<double>();
   EXPECT_LE(diff, tol) << what << ": max |a - b| = " << diff;
+}
+
+/// Removes `path` and everything under it. Not std::filesystem::remove_all:
+/// LibTorch 2.x's libtorch.so exports a copy of it that crashes (Note
+/// [Removing a checkpoint] in mpipe/detail/pipeline/job_checkpoints-inl.h).
+inline void remove_tree(const std::string& path) {
+  ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+         16, FTW_DEPTH | FTW_PHYS);
 }
 
 /// The tests' usual loss: mean squared error.

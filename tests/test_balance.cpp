@@ -151,6 +151,6 @@ TEST(Balance, StageCostsForTheScheduleChoice) {
   // Auto with those costs: 3 micro-batches over the 2 stages, each on its own device.
   const auto choice = mpipe::choose_schedule(
       3, 2, mpipe::TrainStepOptions(4).stage_costs(costs).activation_bytes({2048, 64}));
-  EXPECT_EQ(choice.candidates.size(), 3u);
+  EXPECT_EQ(choice.candidates.size(), 4u);  // GPipe, 1F1B, ZB-H1, Tailored
   EXPECT_DOUBLE_EQ(choice.candidates[0].peak_memory, 3 * 2048);  // GPipe holds all 3
 }

@@ -24,7 +24,7 @@ namespace {
 std::string fresh_dir(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("mpipe_job_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
   return dir.string();
 }
 
@@ -126,7 +126,7 @@ void expect_resumed_job_ends_where_uninterrupted_does(const std::string& name,
   expect_same_state(b.state(), a.state());
   EXPECT_EQ(b.scaler.get_scale(), a.scaler.get_scale());
   EXPECT_EQ(b.scaler.growth_tracker(), a.scaler.growth_tracker());
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 }  // namespace
@@ -180,7 +180,7 @@ TEST(JobCheckpoints, TornCorruptedAndIncompleteCheckpointsAreRefusedByName) {
   auto ckc = c.checkpoints(dir, 3);
   MPIPE_EXPECT_ERROR(ckc.resume(), "none of the 2 complete checkpoints", "step-2", "missing",
                      "step-1", "truncated");
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 TEST(JobCheckpoints, AnotherJobsCheckpointIsRefusedAndOldOnesAreRemoved) {
@@ -200,5 +200,5 @@ TEST(JobCheckpoints, AnotherJobsCheckpointIsRefusedAndOldOnesAreRemoved) {
   MPIPE_EXPECT_ERROR(ckw.resume(), "step-4", "saved by another job", "step-3");
   MPIPE_EXPECT_ERROR(JobCheckpoints(dir, *a.pipe, *a.opt, nullptr, 0), "keep must be at least 1");
   MPIPE_EXPECT_ERROR(ck.save(-1), "the step must be >= 0", "-1");
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }

@@ -251,7 +251,9 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   // Equal stages, no memory limit: ZB-H1 has the least bubble of the three.
   auto c = mpipe::choose_schedule(8, 4, TrainStepOptions(1));
   EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
-  ASSERT_EQ(c.candidates.size(), 3u);
+  ASSERT_EQ(c.candidates.size(), 4u);  // and Tailored, which finds nothing faster
+  EXPECT_EQ(c.candidates[3].schedule, Schedule::Tailored);
+  EXPECT_DOUBLE_EQ(c.candidates[3].time, 27);
   EXPECT_DOUBLE_EQ(c.candidates[0].time, 33);  // GPipe: 3 (8 + 4 - 1)
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 33);  // 1F1B
   EXPECT_DOUBLE_EQ(c.candidates[2].time, 27);  // ZB-H1: 3 * 8 + 4 - 1
@@ -263,31 +265,45 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   EXPECT_DOUBLE_EQ(c.candidates[0].peak_memory, 8);
   EXPECT_TRUE(c.candidates[1].fits);
   EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
-  // With a tight limit nothing fits: the least peak wins (1F1B, before ZB-H1).
+  // With a tight limit no built-in fits; Tailored admits fewer micro-batches
+  // and does. A limit below one activation per stage: the least peak wins
+  // (1F1B, before ZB-H1).
   c = mpipe::choose_schedule(8, 4,
                              TrainStepOptions(1).activation_bytes({1, 1, 1, 1}).memory_limit(2));
+  for (size_t k = 0; k < 3; ++k) EXPECT_FALSE(c.candidates[k].fits);
+  EXPECT_EQ(c.schedule, Schedule::Tailored);
+  EXPECT_LE(c.candidates.back().peak_memory, 2);
+  EXPECT_LT(c.candidates.back().time, 8 * 4 * 3);  // still pipelined
+  c = mpipe::choose_schedule(8, 4,
+                             TrainStepOptions(1).activation_bytes({2, 2, 2, 2}).memory_limit(1));
   EXPECT_EQ(c.schedule, Schedule::OneFOneB);
   // 4 stages on 2 devices (stage s on device s % 2), 2 chunks per worker.
   // Workers that share a device take turns on it, so GPipe's 4 workers fill
   // each other's bubbles as well as interleaving does (51 = 3 (2 * 8 + 2 - 1)
   // units), but hold 16 micro-batches per device to interleaving's 5: the tie
-  // goes to the fewer activations. A limit of 6 bytes (one per activation)
-  // leaves 1F1B (4 + 2) and Interleaved1F1B (5), and interleaving is faster.
+  // goes to the fewer activations. Tailored's list scheduling finds a shorter
+  // run (49) holding 4. A limit of 6 bytes (one per activation) leaves 1F1B
+  // (4 + 2), Interleaved1F1B (5) and Tailored.
   const std::vector<int64_t> devices = {0, 1, 0, 1};
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).virtual_stages(2), devices);
-  ASSERT_EQ(c.candidates.size(), 4u);
+  ASSERT_EQ(c.candidates.size(), 5u);  // and Tailored
   EXPECT_EQ(c.candidates[3].schedule, Schedule::Interleaved1F1B);
   EXPECT_DOUBLE_EQ(c.candidates[3].time, 3.0 * (2 * 8 + 2 - 1));
   EXPECT_DOUBLE_EQ(c.candidates[0].time, 3.0 * (2 * 8 + 2 - 1));
   EXPECT_DOUBLE_EQ(c.candidates[0].peak_in_flight, 16);
   EXPECT_DOUBLE_EQ(c.candidates[3].peak_in_flight, 5);
-  EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
+  EXPECT_DOUBLE_EQ(c.candidates[4].time, 49);
+  EXPECT_DOUBLE_EQ(c.candidates[4].peak_in_flight, 4);
+  EXPECT_EQ(c.schedule, Schedule::Tailored);
   // On one device every schedule takes the sum of its operations; the fewest
-  // activations in flight win (1F1B: 4 + 3 + 2 + 1).
+  // activations in flight win (ZB-V's 2 workers hold 4 each; 1F1B holds
+  // 4 + 3 + 2 + 1).
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1), {0, 0, 0, 0});
   for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.time, 8 * 4 * 3);
   EXPECT_DOUBLE_EQ(c.candidates[1].peak_in_flight, 10);
-  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  EXPECT_EQ(c.candidates[3].schedule, Schedule::ZeroBubbleV);
+  EXPECT_DOUBLE_EQ(c.candidates[3].peak_in_flight, 8);
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleV);
   c = mpipe::choose_schedule(
       8, 4, TrainStepOptions(1).virtual_stages(2).activation_bytes({1, 1, 1, 1}).memory_limit(6),
       devices);
@@ -296,9 +312,10 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
   EXPECT_DOUBLE_EQ(c.candidates[2].peak_memory, 8);
   EXPECT_DOUBLE_EQ(c.candidates[3].peak_memory, 5);
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 52);
-  EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
+  EXPECT_DOUBLE_EQ(c.candidates[4].peak_memory, 4);
+  EXPECT_EQ(c.schedule, Schedule::Tailored);
   // Costly hand-offs (3 units each): interleaving crosses devices twice as
-  // often and loses to 1F1B (87 to 86 units).
+  // often and loses to 1F1B (87 to 86 units); Tailored takes 74.
   c = mpipe::choose_schedule(
       8, 4,
       TrainStepOptions(1).virtual_stages(2).stage_costs({{1, 1, 1, 3}}).activation_bytes(
@@ -306,7 +323,9 @@ TEST(ScheduleChoice, PicksTheFastestThatFits) {
       devices);
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 86);
   EXPECT_DOUBLE_EQ(c.candidates[3].time, 87);
-  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  EXPECT_DOUBLE_EQ(c.candidates[4].time, 74);
+  EXPECT_LE(c.candidates[4].peak_memory, 6);
+  EXPECT_EQ(c.schedule, Schedule::Tailored);
   EXPECT_THROW(mpipe::choose_schedule(8, 4, TrainStepOptions(1).activation_bytes({1})),
                c10::Error);
 }
@@ -317,37 +336,46 @@ TEST(ScheduleChoice, OnOneDeviceMemoryDecidesUntilHandOffsCost) {
   using mpipe::TrainStepOptions;
   const std::vector<int64_t> one = {0, 0, 0, 0};
   // virtual_stages 1: all take the sum (8 micro-batches x 4 stages x 3 units),
-  // 1F1B holds the fewest; with one micro-batch all hold the same: GPipe.
+  // ZB-V holds the fewest (8, to 1F1B's 10); with one micro-batch all hold
+  // the same: GPipe.
   auto c = mpipe::choose_schedule(8, 4, TrainStepOptions(1), one);
-  EXPECT_EQ(c.schedule, Schedule::OneFOneB);
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleV);
   c = mpipe::choose_schedule(1, 4, TrainStepOptions(1), one);
   for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.peak_in_flight, 4);
   EXPECT_EQ(c.schedule, Schedule::GPipe);
   // virtual_stages 2: interleaving is counted as holding fewer, 8 to 10.
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).virtual_stages(2), one);
-  ASSERT_EQ(c.candidates.size(), 4u);
+  ASSERT_EQ(c.candidates.size(), 6u);  // and ZB-V (8 too, later in the list), Tailored
   for (const auto& p : c.candidates) EXPECT_DOUBLE_EQ(p.time, 8 * 4 * 3);
   EXPECT_DOUBLE_EQ(c.candidates[1].peak_in_flight, 10);
   EXPECT_DOUBLE_EQ(c.candidates[3].peak_in_flight, 8);
   EXPECT_EQ(c.schedule, Schedule::Interleaved1F1B);
-  // ... but not with few micro-batches: 8 stages, 2 chunks per worker, 2 to 5
-  // micro-batches pick 1F1B.
+  // ... but not with few micro-batches: 8 stages, 2 chunks per worker, 2 to 4
+  // micro-batches pick 1F1B, 5 ZB-V (25 to 30).
   const std::vector<int64_t> one8(8, 0);
-  for (int64_t m = 2; m <= 5; ++m) {
+  EXPECT_EQ(mpipe::choose_schedule(5, 8, TrainStepOptions(1).virtual_stages(2), one8).schedule,
+            Schedule::ZeroBubbleV);
+  for (int64_t m = 2; m <= 4; ++m) {
     EXPECT_EQ(mpipe::choose_schedule(m, 8, TrainStepOptions(1).virtual_stages(2), one8).schedule,
               Schedule::OneFOneB)
         << m << " micro-batches";
   }
   EXPECT_EQ(mpipe::choose_schedule(6, 8, TrainStepOptions(1).virtual_stages(2), one8).schedule,
             Schedule::Interleaved1F1B);
-  // A hand-off cost makes the device wait, and the times differ.
+  // A hand-off cost makes the device wait, and the times differ. ZB-V's
+  // middle hand-off stays on its worker and costs nothing: as fast as GPipe
+  // and ZB-H1, holding fewer. With hand-offs of 3, Tailored beats GPipe
+  // within 1F1B's memory.
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).stage_costs({{1, 1, 1, 1}}), one);
   EXPECT_DOUBLE_EQ(c.candidates[0].time, 96);
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 98);
   EXPECT_DOUBLE_EQ(c.candidates[2].time, 96);
-  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleH1);
+  EXPECT_DOUBLE_EQ(c.candidates[3].time, 96);
+  EXPECT_EQ(c.schedule, Schedule::ZeroBubbleV);
   c = mpipe::choose_schedule(8, 4, TrainStepOptions(1).stage_costs({{1, 1, 1, 3}}), one);
   EXPECT_DOUBLE_EQ(c.candidates[0].time, 99);
   EXPECT_DOUBLE_EQ(c.candidates[1].time, 102);
-  EXPECT_EQ(c.schedule, Schedule::GPipe);
+  EXPECT_DOUBLE_EQ(c.candidates[4].time, 98);
+  EXPECT_LE(c.candidates[4].peak_in_flight, c.candidates[1].peak_in_flight);
+  EXPECT_EQ(c.schedule, Schedule::Tailored);
 }

@@ -492,7 +492,7 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
   for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
     MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,
                                         TrainStepOptions(2).schedule(s).virtual_stages(2)),
-                       "virtual_stages=2 applies to Schedule::Interleaved1F1B and Schedule::Auto",
+                       "virtual_stages=2 applies to Schedule::Interleaved1F1B, Auto and Tailored",
                        std::string("not ") + mpipe::to_string(s));
   }
   MPIPE_EXPECT_ERROR(pipe->train_step(x, torch::randn({4, 2}), loss_fn,

@@ -1,10 +1,15 @@
-// V-shaped schedules: ZB-V as a pure function (its placement, makespan and
-// peak memory against the paper's), and the runtime running it equal to the
+// Schedules built by list scheduling: ZB-V as a pure function (its
+// placement, makespan and peak memory against the paper's), Tailored against
+// the built-ins over random costs, and the runtime running both equal to the
 // plain model, threaded and inline, with checkpointing.
 
 #include "common.h"
 
 #include <mpipe/mpipe.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
 
 using namespace mpipe_test;
 using mpipe::Checkpoint;
@@ -156,3 +161,110 @@ TEST(ZeroBubbleVErrors, AnOddStageCountIsRefusedAndThePipelineStaysUsable) {
                      "ZB-V", "even number of stages", "3");
   EXPECT_TRUE(pipe->train_step(x, y, mse, TrainStepOptions(2)).defined());
 }
+
+// Schedule::Tailored (Note [Choosing a schedule]): over random cost tables,
+// placements and memory limits, never predicted slower than the best
+// built-in within its bound, its programs valid and timed as reported.
+TEST(Tailored, NeverPredictedSlowerThanTheBestBuiltIn) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> cost(0.5, 3.0), hand_off(0.0, 2.0);
+  int faster = 0, cases = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int64_t n = std::vector<int64_t>{2, 3, 4, 6}[static_cast<size_t>(trial % 4)];
+    const int64_t m = 1 + static_cast<int64_t>(rng() % 10);
+    sch::Costs costs;
+    for (int64_t s = 0; s < n; ++s) costs.push_back({cost(rng), cost(rng), cost(rng), hand_off(rng)});
+    std::vector<int64_t> devices;  // each its own, all on one, or a V of pairs
+    for (int64_t s = 0; s < n; ++s) {
+      devices.push_back(trial % 3 == 0 ? s : trial % 3 == 1 ? 0 : std::min(s, n - 1 - s));
+    }
+    auto options = TrainStepOptions(1).schedule(Schedule::Tailored).stage_costs(costs);
+    std::vector<double> bytes;
+    for (int64_t s = 0; s < n; ++s) bytes.push_back(1.0 + static_cast<double>(rng() % 3));
+    if (trial % 2) options.activation_bytes(bytes).memory_limit(static_cast<double>(2 + rng() % 12));
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(n) + " stages, " +
+                 std::to_string(m) + " micro-batches");
+    const auto c = mpipe::choose_schedule(m, n, options, devices);
+    ASSERT_EQ(c.schedule, Schedule::Tailored);
+    const auto& built = c.candidates.back();
+    ASSERT_EQ(built.schedule, Schedule::Tailored);
+    EXPECT_NO_THROW(sch::validate(c.programs, n, m));
+    const auto& one_f_one_b = c.candidates[1];
+    double best = std::numeric_limits<double>::infinity();
+    for (size_t k = 0; k + 1 < c.candidates.size(); ++k) {
+      const auto& b = c.candidates[k];
+      const bool within = trial % 2 ? b.fits
+                                    : b.peak_memory <= one_f_one_b.peak_memory &&
+                                          b.peak_in_flight <= one_f_one_b.peak_in_flight;
+      if (within) best = std::min(best, b.time);
+    }
+    if (std::isinf(best)) continue;  // no built-in within the bound
+    ++cases;
+    EXPECT_LE(built.time, best * (1 + 1e-12));
+    if (trial % 2) EXPECT_TRUE(built.fits);
+    faster += built.time < best * (1 - 1e-9);
+    // Its programs, run by simulate on the same devices, take the time reported.
+    std::vector<int64_t> worker_devices;
+    for (const auto& p : c.programs) worker_devices.push_back(devices[static_cast<size_t>(p.front().stage)]);
+    EXPECT_DOUBLE_EQ(sch::makespan(c.programs, costs, worker_devices), built.time);
+  }
+  EXPECT_GT(cases, 60);
+  EXPECT_GT(faster, cases / 4) << "Tailored was faster in " << faster << " of " << cases;
+  MPIPE_EXPECT_ERROR(mpipe::programs_for(Schedule::Tailored, 2, 2), "Tailored", "choose_schedule");
+}
+
+namespace {
+
+class TailoredStep : public ::testing::TestWithParam<VCase> {};
+
+}  // namespace
+
+// Tailored (and Auto picking it) runs its programs: bit for bit GPipe's step,
+// and the timeline names it.
+TEST_P(TailoredStep, EqualsThePlainModel) {
+  torch::manual_seed(22);
+  const int64_t width = 4, n = 4;
+  auto pipe = ModelPipeline(ModelPipelineOptions()
+                                .worker_threads(GetParam().threads)
+                                .checkpoint(GetParam().checkpoint)
+                                .record_timeline(true));
+  std::vector<torch::nn::Sequential> stages;
+  for (int64_t s = 0; s < n; ++s) {
+    stages.push_back(mlp_stage(width, width));
+    stages.back()->to(torch::kDouble);
+    pipe->append(stages.back(), "cpu");
+  }
+  const std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+  // Uneven stages and costly hand-offs: list scheduling beats the built-ins.
+  const sch::Costs costs = {{1, 2, 1, 3}, {3, 1, 2, 3}, {1, 1, 1, 3}, {2, 3, 1, 3}};
+  for (Schedule schedule : {Schedule::Tailored, Schedule::Auto}) {
+    for (int64_t m : {1, 3, 8}) {
+      SCOPED_TRACE(std::string(mpipe::to_string(schedule)) + ", " + std::to_string(m) +
+                   " micro-batches");
+      const auto x = torch::randn({2 * m, width}, torch::kDouble);
+      const auto y = torch::randn({2 * m, width}, torch::kDouble);
+      // 6 activations at most on the one device: no built-in fits with 8.
+      const auto options = TrainStepOptions(2).schedule(schedule).stage_costs(costs)
+                               .activation_bytes({1, 1, 1, 1}).memory_limit(6);
+      expect_train_step_transparent(pipe, stages, devices, x, y, mse, options);
+      auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+      const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(2));
+      const auto g1 = grads_of(*pipe);
+      zero_grads(*pipe);
+      const auto l2 = pipe->train_step(x2, y, mse, options);
+      const auto g2 = grads_of(*pipe);
+      zero_grads(*pipe);
+      EXPECT_TRUE(torch::equal(l1, l2));
+      EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
+      for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+      const auto choice = mpipe::choose_schedule(m, n, options, {0, 0, 0, 0});
+      EXPECT_EQ(pipe->timeline().schedule, mpipe::to_string(choice.schedule));
+      if (m == 8) EXPECT_EQ(choice.schedule, Schedule::Tailored);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, TailoredStep,
+                         ::testing::Values(VCase{Checkpoint::Never, true},
+                                           VCase{Checkpoint::Never, false},
+                                           VCase{Checkpoint::Always, true}));

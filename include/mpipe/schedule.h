@@ -41,13 +41,18 @@ enum class Schedule {
   /// bubble at 1F1B's peak memory. Place stage s on the device of worker
   /// schedules::stage_workers(programs)[s] when you append it.
   ZeroBubbleV,
+  /// Programs built for TrainStepOptions::stage_costs by list scheduling: the
+  /// fastest that simulate predicts within the memory bound, never slower
+  /// than a built-in schedule within it (choose_schedule, Note [Choosing a
+  /// schedule] in mpipe/training.h); the timeline calls it "Tailored".
+  Tailored,
   /// The schedule with the least predicted step time whose predicted
   /// activation memory fits TrainStepOptions::memory_limit (choose_schedule,
   /// Note [Choosing a schedule]); the timeline names the one that ran.
   Auto,
 };
 
-/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-V" or "Auto".
+/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-V", "Tailored" or "Auto".
 inline const char* to_string(Schedule s) {
   switch (s) {
     case Schedule::GPipe: return "GPipe";
@@ -55,6 +60,7 @@ inline const char* to_string(Schedule s) {
     case Schedule::Interleaved1F1B: return "Interleaved1F1B";
     case Schedule::ZeroBubbleH1: return "ZB-H1";
     case Schedule::ZeroBubbleV: return "ZB-V";
+    case Schedule::Tailored: return "Tailored";
     case Schedule::Auto: return "Auto";
   }
   return "?";
@@ -343,7 +349,8 @@ inline std::vector<int64_t> stage_workers(const std::vector<Program>& programs) 
 
 }  // namespace schedules
 
-/// The programs `s` gives n_stages stages (not Auto), one per worker: a
+/// The programs `s` gives n_stages stages (not Auto or Tailored, which depend
+/// on the costs: see choose_schedule), one per worker: a
 /// starting point for hand-written TrainStepOptions::programs. ZeroBubbleV
 /// needs an even n_stages (n_stages / 2 workers).
 inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
@@ -358,9 +365,11 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
       TORCH_CHECK_VALUE(n_stages % 2 == 0, "mpipe: ZB-V needs an even number of stages (two per "
                         "worker, in a V), got ", n_stages);
       return schedules::zero_bubble_v(n_micro, n_stages / 2);
-    case Schedule::Auto: break;
+    case Schedule::Auto:
+    case Schedule::Tailored: break;
   }
-  TORCH_CHECK_VALUE(false, "mpipe::programs_for: Auto is not a schedule; use choose_schedule");
+  TORCH_CHECK_VALUE(false, "mpipe::programs_for: ", to_string(s), " depends on the stage costs; "
+                    "use choose_schedule(...).programs");
 }
 
 }  // namespace mpipe

@@ -70,18 +70,20 @@ struct TrainStepOptions {
   /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it
   /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B. train_step
   /// refuses a value below 1, one that does not divide the stage count, and
-  /// any value other than 1 with GPipe, OneFOneB or ZeroBubbleH1 (they run a
-  /// worker per stage). With Auto, a value above 1 adds Interleaved1F1B to
-  /// the candidates (Note [Choosing a schedule]).
+  /// any value other than 1 with GPipe, OneFOneB, ZeroBubbleH1 or ZeroBubbleV
+  /// (their placements are fixed). With Auto, a value above 1 adds
+  /// Interleaved1F1B to the candidates, and with Tailored its placement
+  /// (Note [Choosing a schedule]).
   TORCH_ARG(int64_t, virtual_stages) = 1;
-  /// Auto: what one micro-batch's operations cost on each stage (one entry
-  /// for all stages, or one per stage; empty: equal stages), e.g. from
-  /// balance::stage_costs.
+  /// Auto and Tailored: what one micro-batch's operations cost on each stage
+  /// (one entry for all stages, or one per stage; empty: equal stages), e.g.
+  /// from balance::stage_costs.
   TORCH_ARG(schedules::Costs, stage_costs) = {};
-  /// Auto: the activation memory one micro-batch keeps alive on each stage,
-  /// in bytes (one per stage; empty: memory is not considered).
+  /// Auto and Tailored: the activation memory one micro-batch keeps alive on
+  /// each stage, in bytes (one per stage; empty: memory is not considered).
   TORCH_ARG(std::vector<double>, activation_bytes) = {};
-  /// Auto: the most activation memory a device may hold, in bytes (0: no limit).
+  /// Auto and Tailored: the most activation memory a device may hold, in
+  /// bytes (0: no limit; Tailored then keeps within 1F1B's peak).
   TORCH_ARG(double, memory_limit) = 0;
   /// Programs to run instead of `schedule`'s: one per worker, each the
   /// operations that worker runs in order (schedules::F, B, I, W of every
@@ -111,6 +113,7 @@ struct ScheduleChoice {
   };
   Schedule schedule;                  ///< the pick
   std::vector<Candidate> candidates;  ///< in the order they were weighed
+  std::vector<schedules::Program> programs;  ///< the pick's, one per worker
 };
 
 // Note [Choosing a schedule]
@@ -118,100 +121,60 @@ struct ScheduleChoice {
 // The model runs every candidate's programs through schedules::simulate with
 // the given stage costs: each worker runs its operations in order, one at a
 // time, each as soon as its inputs exist; workers whose stages sit on one
-// device take turns on it (the earliest-ready first); a hand-off costs the
-// stage's `transfer`. The predicted step time is the makespan. A worker's
-// activation memory is the sum of activation_bytes over the (stage,
-// micro-batch) pairs between their forward and their backward (for ZB-H1,
-// their weight gradient); a device's is the sum over its workers, and its
-// peak must not exceed memory_limit. Candidates, in this order: GPipe, 1F1B
-// and ZB-H1, and Interleaved1F1B when virtual_stages > 1. The fastest that
-// fits wins (times within a relative 1e-9 count as equal); among equally fast
-// ones, the one with the fewest peak bytes, then the fewest peak activations,
-// then the earlier in that list. If none fits, the one with the least peak
-// bytes (the earlier among equals).
+// device take turns on it (the earliest-ready first); a hand-off between
+// workers costs the stage's `transfer`. The predicted step time is the
+// makespan. A worker's activation memory is the sum of activation_bytes over
+// the (stage, micro-batch) pairs between their forward and their backward
+// (for split backwards, their weight gradient); a device's is the sum over
+// its workers, and its peak must not exceed memory_limit. Built-in
+// candidates, in this order: GPipe, 1F1B and ZB-H1; Interleaved1F1B when
+// virtual_stages > 1; ZB-V when the stages are even in number and stage s
+// shares a device with stage n-1-s (a V: all on one GPU, for one). Auto takes
+// the fastest built-in that fits (times within a relative 1e-9 count as
+// equal); among equally fast ones, the one with the fewest peak bytes, then
+// the fewest peak activations, then the earlier in that list. If none fits,
+// the one with the least peak bytes (the earlier among equals).
+//
+// Tailored, weighed last, is built for the costs (Note [Greedy schedules] in
+// mpipe/detail/schedules/greedy.h): list-scheduled programs for every
+// placement the devices allow (a worker per stage; the V; Megatron's
+// interleaving with virtual_stages > 1), every policy (orders IFW, FIW, IWF;
+// caps of 1 to min(m, n) micro-batches or the same in activations), and the
+// built-ins themselves; the fastest within its bound wins (memory_limit, or
+// without one the peaks of 1F1B), so it is never predicted slower than a
+// built-in within that bound. Auto picks it only where it is predicted
+// faster than the built-in it would pick, or where no built-in fits and it
+// does. Answers are kept per question (sizes, costs, memory, devices), so a
+// step pays the search once.
 //
 // Stages sharing one device: while no hand-off costs anything (transfer 0)
 // the device never waits, so every candidate takes the sum of its operations
-// and memory decides. With virtual_stages 1 that is 1F1B, which holds fewer
-// activations than GPipe and ZB-H1 from two micro-batches on (with one, all
-// hold the same and GPipe wins). With virtual_stages > 1 it is usually
-// Interleaved1F1B, which the model counts as holding fewer still (8 against
-// 1F1B's 10 for 8 micro-batches on 4 stages, 2 chunks per worker); with few
-// micro-batches 1F1B holds as few or fewer and wins (on 8 stages with 2
-// chunks per worker: 2 to 5 micro-batches). A hand-off cost makes the device
+// and memory decides. With virtual_stages 1 and an even stage count that is
+// ZB-V, whose workers hold two stages each (8 activations against 1F1B's 10
+// for 8 micro-batches on 4 stages). With virtual_stages > 1 it is usually
+// Interleaved1F1B, which holds as few (8) and comes first in the list; with
+// few micro-batches 1F1B holds fewer and wins (on 8 stages with 2 chunks per
+// worker: 2 to 4 micro-batches; ZB-V at 5). A hand-off cost makes the device
 // wait for hand-offs, and then the times differ: 8 micro-batches on 4 stages
 // with forward = backward_input = backward_weight = transfer = 1 take 96
-// units under GPipe and ZB-H1 and 98 under 1F1B, and ZB-H1 (fewer activations
-// than GPipe) wins; with transfer 3, GPipe takes 99 units against 102 and wins.
-// Limits: parameters and optimizer state are not counted (they do not depend
-// on the schedule); the costs are what the caller measured (e.g.
-// balance::profile_time on one sample), and a GPU that overlaps two streams'
-// kernels does better than taking turns.
+// units under GPipe, ZB-H1 and ZB-V (whose middle hand-off stays on its
+// worker) and 98 under 1F1B, and ZB-V (fewer activations) wins; with
+// transfer 3, GPipe takes 99 units against 1F1B's 102, and Tailored 98
+// within 1F1B's memory. Limits: parameters and optimizer state are not
+// counted (they do not depend on the schedule); the costs are what the
+// caller measured (e.g. balance::profile_time on one sample), and a GPU that
+// overlaps two streams' kernels does better than taking turns.
 
 /// The schedule TrainStepOptions' Auto picks for n_micro micro-batches over
 /// n_stages stages, stage s on device stage_devices[s] (any labels; empty:
-/// every stage on its own device). Note [Choosing a schedule].
+/// every stage on its own device), with its programs; with options.schedule()
+/// Tailored, the programs Tailored builds. Note [Choosing a schedule].
 inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
                                       const TrainStepOptions& options,
-                                      const std::vector<int64_t>& stage_devices = {}) {
-  ScheduleChoice choice{Schedule::GPipe, {}};
-  std::vector<Schedule> candidates = {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1};
-  if (options.virtual_stages() > 1) candidates.push_back(Schedule::Interleaved1F1B);
-  const auto& given = options.activation_bytes();
-  TORCH_CHECK_VALUE(given.empty() || static_cast<int64_t>(given.size()) == n_stages,
-                    "mpipe::choose_schedule: ", given.size(), " activation sizes for ", n_stages,
-                    " stages");
-  TORCH_CHECK_VALUE(stage_devices.empty() || static_cast<int64_t>(stage_devices.size()) == n_stages,
-                    "mpipe::choose_schedule: ", stage_devices.size(), " devices for ", n_stages,
-                    " stages");
-  const std::vector<double> bytes =
-      given.empty() ? std::vector<double>(static_cast<size_t>(n_stages), 0.0) : given;
-  int best = -1, least = -1;
-  for (Schedule s : candidates) {
-    const auto programs = programs_for(s, n_micro, n_stages, options.virtual_stages());
-    std::vector<int64_t> devices;  // of each worker
-    for (const auto& p : programs) {
-      const auto stage = static_cast<size_t>(p.front().stage);
-      devices.push_back(stage_devices.empty() ? static_cast<int64_t>(stage) : stage_devices[stage]);
-    }
-    ScheduleChoice::Candidate p{s};
-    p.time = schedules::makespan(programs, options.stage_costs(), devices);
-    p.bubble = schedules::bubble(programs, options.stage_costs(), devices);
-    // Per device: the sum of its workers' peaks (an upper bound: they may not
-    // coincide), in bytes and in activations.
-    std::vector<int64_t> seen;
-    std::vector<double> in_bytes, in_units;
-    for (size_t r = 0; r < programs.size(); ++r) {
-      size_t d = static_cast<size_t>(std::find(seen.begin(), seen.end(), devices[r]) - seen.begin());
-      if (d == seen.size()) {
-        seen.push_back(devices[r]);
-        in_bytes.push_back(0);
-        in_units.push_back(0);
-      }
-      in_bytes[d] += schedules::peak_activations(programs[r], bytes);
-      in_units[d] += schedules::peak_activations(programs[r]);
-    }
-    p.peak_memory = *std::max_element(in_bytes.begin(), in_bytes.end());
-    p.peak_in_flight = *std::max_element(in_units.begin(), in_units.end());
-    p.fits = options.memory_limit() <= 0 || p.peak_memory <= options.memory_limit();
-    choice.candidates.push_back(p);
-    const int k = static_cast<int>(choice.candidates.size()) - 1;
-    auto better = [](const ScheduleChoice::Candidate& a, const ScheduleChoice::Candidate& b) {
-      const double eps = 1e-9 * std::max(std::abs(a.time), std::abs(b.time));
-      if (a.time < b.time - eps) return true;
-      if (a.time > b.time + eps) return false;
-      if (a.peak_memory != b.peak_memory) return a.peak_memory < b.peak_memory;
-      return a.peak_in_flight < b.peak_in_flight;
-    };
-    if (p.fits && (best < 0 || better(p, choice.candidates[static_cast<size_t>(best)]))) best = k;
-    if (least < 0 || p.peak_memory < choice.candidates[static_cast<size_t>(least)].peak_memory) {
-      least = k;
-    }
-  }
-  choice.schedule = choice.candidates[static_cast<size_t>(best >= 0 ? best : least)].schedule;
-  return choice;
-}
+                                      const std::vector<int64_t>& stage_devices = {});
 
 }  // namespace mpipe
+
+#include <mpipe/detail/schedules/choose.h>  // choose_schedule's definition
 
 #endif  // MPIPE_TRAINING_H_

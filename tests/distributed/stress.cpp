@@ -200,14 +200,16 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       } else {
         const at::Tensor y = st.tensor({rows, 3});
         const int64_t mb = st.pick(1, rows);
-        const int64_t which = st.pick(0, 4);
+        const int64_t which = st.pick(0, 5);
         auto options = mpipe::TrainStepOptions(mb);
         const mpipe::Schedule schedules[] = {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
                                              mpipe::Schedule::ZeroBubbleH1,
                                              mpipe::Schedule::Auto,
-                                             mpipe::Schedule::Interleaved1F1B};
+                                             mpipe::Schedule::Interleaved1F1B,
+                                             mpipe::Schedule::Tailored};
         options.schedule(schedules[which]);
         if (which == 4) options.virtual_stages(2);
+        if (which == 5) options.stage_costs({{1, 2, 1, static_cast<double>(st.pick(0, 3))}});
         what = c10::str("call ", index, ": train_step rows ", rows, " micro-batches ", mb, " ",
                         mpipe::to_string(schedules[which]));
         const at::Tensor loss = p.pipe->train_step(first ? x : at::Tensor(),

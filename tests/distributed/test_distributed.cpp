@@ -156,12 +156,14 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
   const at::Tensor y = torch::randn({10, 3}, torch::kDouble);
   for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
                         mpipe::Schedule::Interleaved1F1B, mpipe::Schedule::ZeroBubbleH1,
+                        mpipe::Schedule::ZeroBubbleV, mpipe::Schedule::Tailored,
                         mpipe::Schedule::Auto}) {
     for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
                             mpipe::Checkpoint::Always}) {
       for (bool threads : {true, false}) {
         const bool interleaved = schedule == mpipe::Schedule::Interleaved1F1B;
-        const auto stages = make_model(interleaved ? 2 * ranks : ranks + 1);
+        const bool even = interleaved || schedule == mpipe::Schedule::ZeroBubbleV;
+        const auto stages = make_model(even ? 2 * ranks : ranks + 1);
         auto reference = make_model(static_cast<int64_t>(stages.size()));
         auto pipe = make_pipe(stages, mpipe::ModelPipelineOptions()
                                           .worker_threads(threads)
@@ -171,6 +173,8 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
                                  (threads ? ", threads" : ", inline");
         auto step = mpipe::TrainStepOptions(3).schedule(schedule);
         if (interleaved) step.virtual_stages(2);
+        // Tailored's programs, built on the first rank for uneven costs, travel with the call.
+        if (schedule == mpipe::Schedule::Tailored) step.stage_costs({{1, 2, 1, 2}});
         const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
                                                  group().is_last() ? y : at::Tensor(), mse, step);
         const at::Tensor want = mse(plain(reference, x), y);
@@ -831,7 +835,7 @@ TEST(Distributed, EachRankSavesAndLoadsItsStages) {
 TEST(Distributed, JobCheckpointsResumeEveryRankBitForBit) {
   const int64_t n = group().pipeline_size() * 2;  // two stages per rank
   const std::string dir = testing::TempDir() + "mpipe_job_" + std::to_string(::getppid());
-  if (group().rank() == 0) std::filesystem::remove_all(dir);
+  if (group().rank() == 0) mpipe_test::remove_tree(dir);
   group().barrier();
   struct Run {
     mpipe::ModelPipeline pipe;
@@ -888,7 +892,7 @@ TEST(Distributed, JobCheckpointsResumeEveryRankBitForBit) {
                               : "refused by another rank";
   EXPECT_NE(resumed->skipped[0].find(why), std::string::npos) << resumed->skipped[0];
   group().barrier();
-  if (group().rank() == 0) std::filesystem::remove_all(dir);
+  if (group().rank() == 0) mpipe_test::remove_tree(dir);
 }
 
 TEST(Distributed, ReplicasTrainLikeOneProcessOnTheWholeBatch) {

@@ -31,6 +31,7 @@ struct GraphKey {
   int schedule = -1;       // train_step: Schedule
   int64_t virtual_stages = 1;  // train_step: stages per worker (interleaved)
   int reduction = -1;      // train_step: LossReduction
+  int64_t programs = 0;    // train_step under Tailored: its programs' fingerprint
   std::vector<int64_t> input_sizes;
   c10::ScalarType input_dtype = c10::ScalarType::Undefined;
   std::vector<int64_t> target_sizes;
@@ -42,7 +43,7 @@ struct GraphKey {
 
   std::string str() const {
     return c10::str(method, "|", items, "|", rows, "|", reduce, "|", time_chunk, "|", schedule,
-                    "|", virtual_stages, "|", reduction, "|",
+                    "|", virtual_stages, "|", reduction, "|", programs, "|",
                     c10::IntArrayRef(input_sizes), "|", input_dtype, "|",
                     c10::IntArrayRef(target_sizes), "|", target_dtype,
                     training ? "|train" : "|eval", inference ? "|inference" : "", "|", autocast,

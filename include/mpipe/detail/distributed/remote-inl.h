@@ -106,12 +106,19 @@ MPIPE_FUNC int64_t method_code(const char* method) {
 }
 
 MPIPE_FUNC std::vector<int64_t> CallInfo::fields() const {
-  return {method, n_items, rows, batch, reduce, schedule, virtual_stages, reduction, time_chunk,
-          programs};
+  std::vector<int64_t> f = {method,         n_items,   rows,       batch,   reduce, schedule,
+                            virtual_stages, reduction, time_chunk, programs};
+  for (const auto& p : tailored) {  // then Tailored's programs: a length and its ops each
+    f.push_back(static_cast<int64_t>(p.size()));
+    for (const auto& op : p) {
+      f.insert(f.end(), {static_cast<int64_t>(op.kind), op.micro_batch, op.stage});
+    }
+  }
+  return f;
 }
 
 MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
-  TORCH_CHECK(f.size() == 10, "a malformed call message (", f.size(), " fields)");
+  TORCH_CHECK(f.size() >= 10, "a malformed call message (", f.size(), " fields)");
   CallInfo c;
   c.method = f[0];
   c.n_items = f[1];
@@ -123,6 +130,15 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   c.reduction = f[7];
   c.time_chunk = f[8];
   c.programs = f[9];
+  for (size_t k = 10; k < f.size();) {
+    const auto len = static_cast<size_t>(f[k++]);
+    TORCH_CHECK(k + 3 * len <= f.size(), "a malformed call message (", f.size(), " fields)");
+    c.tailored.emplace_back();
+    for (size_t j = 0; j < len; ++j, k += 3) {
+      c.tailored.back().push_back(
+          schedules::Op{static_cast<schedules::OpKind>(f[k]), f[k + 1], f[k + 2]});
+    }
+  }
   return c;
 }
 

@@ -7,6 +7,7 @@
 #include "mpipe/detail/runtime/transport.h"
 
 #include "mpipe/distributed.h"
+#include "mpipe/schedule.h"
 
 #include <atomic>
 #include <condition_variable>
@@ -36,7 +37,8 @@ struct CallInfo {
   int64_t virtual_stages = 1;
   int64_t reduction = 0;
   int64_t time_chunk = 0;  // steps per stage call (constant_forward, sequence_forward, constant_train_step)
-  int64_t programs = 0;  // train_step with TrainStepOptions::programs: their fingerprint
+  int64_t programs = 0;  // train_step with TrainStepOptions::programs or Tailored: their fingerprint
+  std::vector<schedules::Program> tailored;  // train_step under Tailored: the first rank's programs
 
   std::vector<int64_t> fields() const;
   static CallInfo from(const std::vector<int64_t>& fields);

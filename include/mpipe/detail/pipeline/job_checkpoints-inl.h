@@ -14,6 +14,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -153,6 +154,23 @@ MPIPE_FUNC bool read_whole(const std::string& path, std::string& payload, std::s
   return true;
 }
 
+// Note [Removing a checkpoint]: LibTorch 2.x's libtorch.so exports its own
+// copy of std::filesystem::remove_all, which the dynamic linker binds a
+// program's calls to, and that copy jumps to address 0 (the GPU machine's
+// torch 2.11: a SIGSEGV in every call). So folders are removed with POSIX's
+// nftw, children first, without following symbolic links.
+MPIPE_FUNC int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
+  return ::remove(path) == 0 ? 0 : errno;
+}
+
+/// Removes `path` and everything under it; true if it is gone.
+MPIPE_FUNC bool remove_tree(const std::string& path) {
+  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0 && errno != ENOENT) {
+    return false;
+  }
+  return !std::filesystem::exists(path);
+}
+
 /// The checkpoint folders of `directory` that carry the complete marker,
 /// newest step first.
 MPIPE_FUNC std::vector<std::pair<int64_t, std::string>> complete_checkpoints(
@@ -229,7 +247,7 @@ MPIPE_FUNC std::string JobCheckpoints::save(int64_t step, const std::string& dat
     detail::write_whole(dir + "/complete", "world " + std::to_string(world) + "\n");
     const auto all = detail::complete_checkpoints(directory_);
     for (size_t k = static_cast<size_t>(keep_); k < all.size(); ++k) {
-      std::filesystem::remove_all(all[k].second, ec);
+      detail::remove_tree(all[k].second);
     }
   }
   if (group.defined()) group.barrier();  // nobody resumes from a folder being removed

@@ -144,9 +144,16 @@ MPIPE_FUNC CallInfo train_step_info(const PipelineView& p, const std::vector<Inp
                            : s);
     }
   }
-  c.schedule = static_cast<int64_t>(
-      step.schedule() == Schedule::Auto ? choose_schedule(c.n_items, n_stages, step, labels).schedule
-                                        : step.schedule());
+  if (step.schedule() != Schedule::Auto && step.schedule() != Schedule::Tailored) {
+    c.schedule = static_cast<int64_t>(step.schedule());
+    return c;
+  }
+  const ScheduleChoice choice = choose_schedule(c.n_items, n_stages, step, labels);
+  c.schedule = static_cast<int64_t>(choice.schedule);
+  if (choice.schedule == Schedule::Tailored) {  // built here, sent to the other ranks
+    c.tailored = choice.programs;
+    c.programs = fingerprint(choice.programs);
+  }
   return c;
 }
 
@@ -173,6 +180,11 @@ MPIPE_FUNC void check_train_step(const PipelineView& p, const CallInfo& info,
                 "TrainStepOptions::programs differ from the first rank's (",
                 given ? "given there" : "none there", "); every rank passes the same");
     if (given) check_programs(programs, p.n_stages(), info.n_items);
+    if (info.schedule == static_cast<int64_t>(Schedule::Tailored)) {
+      TORCH_CHECK(fingerprint(info.tailored) == info.programs,
+                  "mpipe::ModelPipeline::train_step: Tailored's programs arrived damaged");
+      check_programs(info.tailored, p.n_stages(), info.n_items);
+    }
   }
 }
 
@@ -209,6 +221,9 @@ MPIPE_FUNC Plan train_step_plan(const PipelineView& p, const CallInfo& info,
   if (info.schedule == kGivenPrograms) {
     spec.schedule = "given programs";
     spec.programs = step.programs();
+  } else if (info.schedule == static_cast<int64_t>(Schedule::Tailored)) {
+    spec.schedule = "Tailored";
+    spec.programs = info.tailored;
   } else {
     const auto schedule = static_cast<Schedule>(info.schedule);
     spec.schedule = to_string(schedule);

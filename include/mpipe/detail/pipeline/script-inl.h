@@ -164,10 +164,12 @@ MPIPE_FUNC void ScriptResetImpl::reset_state() { module_.run_method("reset"); }
 // device, and current while it loads, for loaders that take none), and it
 // runs on the stream current on the stage's thread (AOTInductor's runner
 // takes the current stream when given none), so it overlaps with other
-// stages as any stage does, and automatic CUDA graphs try to capture it
-// (its kernels are launched on that stream; a capture that fails leaves the
-// call eager, Note [Automatic CUDA graphs]). It keeps no state between calls. A package compiled for one device type cannot run on
-// another: the device in its metadata must match the stage's.
+// stages as any stage does. Automatic CUDA graphs try to capture it, and on
+// torch 2.11 the runner fails under capture ("operation not permitted when
+// stream is capturing", measured on an H100), which leaves the call eager
+// (Note [Automatic CUDA graphs]). It keeps no state between calls. A
+// package compiled for one device type cannot run on another: the device in
+// its metadata must match the stage's.
 //
 // The loader exists only in LibTorch 2.x (torch/csrc/inductor/aoti_package,
 // found with __has_include when mpipe is compiled); elsewhere append(path)

@@ -63,6 +63,7 @@ MPIPE_FUNC GraphKey key_of(const char* method, const CallInfo& info, const at::T
   key.schedule = static_cast<int>(info.schedule);
   key.virtual_stages = info.virtual_stages;
   key.reduction = static_cast<int>(info.reduction);
+  key.programs = info.programs;
   key.input_sizes = x.sizes().vec();
   key.input_dtype = x.scalar_type();
   if (target.defined()) {
@@ -339,12 +340,11 @@ MPIPE_FUNC void check_programs(const std::vector<schedules::Program>& programs, 
 
 MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   const int64_t v = step.virtual_stages();
-  const bool interleaved =
-      step.schedule() == Schedule::Interleaved1F1B || step.schedule() == Schedule::Auto;
-  TORCH_CHECK_VALUE(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ",
-                    v);
+  const bool interleaved = step.schedule() == Schedule::Interleaved1F1B ||
+                           step.schedule() == Schedule::Auto || step.schedule() == Schedule::Tailored;
+  TORCH_CHECK_VALUE(v >= 1, "mpipe::ModelPipeline::train_step: virtual_stages must be >= 1, got ", v);
   TORCH_CHECK_VALUE(v == 1 || interleaved, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
-                    " applies to Schedule::Interleaved1F1B and Schedule::Auto, not ",
+                    " applies to Schedule::Interleaved1F1B, Auto and Tailored, not ",
                     to_string(step.schedule()));
   TORCH_CHECK_VALUE(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
                     " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
