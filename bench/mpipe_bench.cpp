@@ -529,8 +529,9 @@ json memory_workload(const Timer& timer, const torch::Device& device, int64_t wi
 
 /// One training step of an MLP (depth Linear+ReLU layers of `width`) under
 /// each schedule: GPipe, 1F1B and ZB-H1 over 4 stages, Interleaved1F1B over
-/// 8 stages (2 chunks per worker, stage s on the device of stage s % 4), and
-/// Auto with each stage's costs from balance::profile_time. Each row: the
+/// 8 stages (2 chunks per worker, stage s on the device of stage s % 4), ZB-V
+/// over 8 stages in a V, and Tailored and Auto with each stage's costs from
+/// balance::profile_time. Each row: the
 /// median step time, its peak allocated memory above the step's start (CUDA),
 /// and a recorded step's measured bubble beside the schedule's predicted one;
 /// with `timeline_dir`, that step's timeline as SVG and Chrome trace.
@@ -570,6 +571,8 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
       {"1f1b", mpipe::Schedule::OneFOneB, 4, "1f1b"},
       {"zb-h1", mpipe::Schedule::ZeroBubbleH1, 4, "zb-h1"},
       {"interleaved-1f1b(v=2)", mpipe::Schedule::Interleaved1F1B, 8, "interleaved-1f1b-v2"},
+      {"zb-v", mpipe::Schedule::ZeroBubbleV, 8, "zb-v"},
+      {"tailored", mpipe::Schedule::Tailored, 4, "tailored"},
       {"auto", mpipe::Schedule::Auto, 4, "auto"}};
   for (const Mode& mode : modes) {
     json r;
@@ -584,15 +587,21 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
           stage->push_back(layers[static_cast<size_t>(l)]);
           stage->push_back(nn::ReLU());
         }
-        pipe->append(stage, devices4[static_cast<size_t>(s % 4)]);
+        // Interleaved: stage s on worker s % 4's device; ZB-V: in a V.
+        const int64_t worker = mode.schedule == mpipe::Schedule::ZeroBubbleV
+                                   ? (s < 4 ? s : 7 - s)
+                                   : s % 4;
+        pipe->append(stage, devices4[static_cast<size_t>(worker)]);
       }
       return pipe;
     };
-    const auto options = mpipe::TrainStepOptions(split)
-                             .schedule(mode.schedule)
-                             .virtual_stages(mode.stages / 4)
-                             .stage_costs(mode.schedule == mpipe::Schedule::Auto ? costs
-                                                                                  : mpipe::schedules::Costs{});
+    const bool costed = mode.schedule == mpipe::Schedule::Auto ||
+                        mode.schedule == mpipe::Schedule::Tailored;
+    const auto options =
+        mpipe::TrainStepOptions(split)
+            .schedule(mode.schedule)
+            .virtual_stages(mode.schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1)
+            .stage_costs(costed ? costs : mpipe::schedules::Costs{});
     guarded(r, "train_ms", [&] {
       auto pipe = build(false);
       auto step = [&] {
