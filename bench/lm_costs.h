@@ -10,6 +10,7 @@
 #include <mpipe/balance.h>
 #include <mpipe/schedule.h>
 #include <mpipe/simulate.h>
+#include <mpipe/training.h>
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -130,11 +131,11 @@ inline std::vector<int64_t> split_of(const std::vector<LayerCost>& costs, int64_
 /// its two passes as measure_layers gives them, the others the whole
 /// backward.
 /// Undefined (negative) when there are fewer layers than stages.
-inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
-                         mpipe::Schedule schedule, int64_t m, double host, double transfer) {
-  const int64_t v = schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1;
-  const int64_t n_stages = devices * v;
-  if (n_stages > static_cast<int64_t>(costs.size())) return -1;
+/// The stages' costs for schedules::simulate: n_stages balanced stages (split_of),
+/// each task plus the runtime's `host` cost, backwards split (I and W as
+/// measured) or whole (B = I + W, one task).
+inline mpipe::schedules::Costs stage_costs_of(const std::vector<LayerCost>& costs, int64_t n_stages,
+                                              bool split, double host, double transfer) {
   const auto sizes = split_of(costs, n_stages);
   mpipe::schedules::Costs stage_costs;
   size_t at = 0;
@@ -148,7 +149,7 @@ inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
       bw += costs[at].backward_weight;
     }
     sc.forward = f + host;
-    if (schedule == mpipe::Schedule::ZeroBubbleH1) {  // two tasks
+    if (split) {  // two tasks
       sc.backward_input = bi + host;
       sc.backward_weight = bw + host;
     } else {  // one task, B = backward_input + backward_weight
@@ -156,6 +157,20 @@ inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
       sc.backward_weight = b / 2 + host / 2;
     }
     stage_costs.push_back(sc);
+  }
+  return stage_costs;
+}
+
+inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
+                         mpipe::Schedule schedule, int64_t m, double host, double transfer) {
+  const int64_t v = schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1;
+  const int64_t n_stages = devices * v;
+  if (n_stages > static_cast<int64_t>(costs.size())) return -1;
+  const bool split = schedule == mpipe::Schedule::ZeroBubbleH1 || schedule == mpipe::Schedule::Tailored;
+  const auto stage_costs = stage_costs_of(costs, n_stages, split, host, transfer);
+  if (schedule == mpipe::Schedule::Tailored) {  // built for these costs
+    const auto options = mpipe::TrainStepOptions(1).schedule(schedule).stage_costs(stage_costs);
+    return mpipe::choose_schedule(m, n_stages, options).candidates.back().time;
   }
   const auto programs = mpipe::programs_for(schedule, m, n_stages, v);
   return mpipe::schedules::makespan(programs, stage_costs);

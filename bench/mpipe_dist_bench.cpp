@@ -377,9 +377,14 @@ int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   }
   auto opt = make_opt(pipe->parameters());
   const std::pair<const char*, mpipe::Schedule> schedules[] = {
-      {"1f1b", mpipe::Schedule::OneFOneB}, {"zbh1", mpipe::Schedule::ZeroBubbleH1}};
+      {"1f1b", mpipe::Schedule::OneFOneB},
+      {"zbh1", mpipe::Schedule::ZeroBubbleH1},
+      {"tailored", mpipe::Schedule::Tailored}};
+  // Tailored is built for the measured costs (rank 0's, on every rank).
+  const auto measured = lm_bench::stage_costs_of(costs, n, true, c.host_us / 1e3, 1e3 * handoff);
   for (const auto& sc : schedules) {
-    const auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
+    auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
+    if (sc.second == mpipe::Schedule::Tailored) options.stage_costs(measured);
     const double t = median_seconds(c, [&] {
       opt->zero_grad();
       pipe->train_step(x, y, loss_fn, options);
