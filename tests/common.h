@@ -128,6 +128,13 @@ inline void remove_tree(const std::string& path) {
          16, FTW_DEPTH | FTW_PHYS);
 }
 
+/// The most activations any worker of `programs` holds at once.
+inline double max_peak(const std::vector<mpipe::schedules::Program>& programs) {
+  double peak = 0;
+  for (const auto& p : programs) peak = std::max(peak, mpipe::schedules::peak_activations(p));
+  return peak;
+}
+
 /// The tests' usual loss: mean squared error.
 inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
   return torch::mse_loss(out, target);

@@ -4,6 +4,7 @@
 #include <mpipe/simulate.h>
 
 #include "mpipe/detail/runtime/programs.h"  // the runtime's facts about programs
+#include "common.h"                          // max_peak
 
 #include <map>
 #include <set>
@@ -88,12 +89,6 @@ std::string describe(const std::vector<sch::Program>& programs) {
     s += "\n";
   }
   return s;
-}
-
-double max_peak(const std::vector<sch::Program>& programs) {
-  double peak = 0;
-  for (const auto& p : programs) peak = std::max(peak, sch::peak_activations(p));
-  return peak;
 }
 
 }  // namespace
@@ -190,7 +185,7 @@ TEST(TrainingSchedule, InvariantsOverAGrid) {
       }
       // ZB-H1: 1F1B's peak; with m >= n, 3m + n - 1 units: the bubble time
       // per rank is n - 1, a third of 1F1B's 3 (n - 1).
-      EXPECT_EQ(max_peak(zb), max_peak(ofob));
+      EXPECT_EQ(mpipe_test::max_peak(zb), mpipe_test::max_peak(ofob));
       if (m >= n) EXPECT_DOUBLE_EQ(sch::makespan(zb), 3.0 * static_cast<double>(m) + n - 1);
       EXPECT_LE(sch::makespan(zb), sch::makespan(ofob));
       // Interleaved: v chunks per rank. With m a multiple of d, 3 v m + 3 (d - 1)

@@ -19,16 +19,6 @@ using mpipe::Schedule;
 using mpipe::TrainStepOptions;
 namespace sch = mpipe::schedules;
 
-namespace {
-
-double max_peak(const std::vector<sch::Program>& programs) {
-  double peak = 0;
-  for (const auto& p : programs) peak = std::max(peak, sch::peak_activations(p));
-  return peak;
-}
-
-}  // namespace
-
 TEST(ZeroBubbleV, PlacesStagesInAV) {
   EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(1, 3)), (std::vector<int64_t>{0, 1, 2, 2, 1, 0}));
   EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(4, 1)), (std::vector<int64_t>{0, 0}));
