@@ -73,9 +73,12 @@ inline std::vector<schedules::Program> greedy_programs(int64_t n_micro,
   TORCH_CHECK_VALUE(n > 0 && n_micro > 0 && policy.cap > 0,
                     "mpipe::schedules: sizes must be positive, got n_micro=", n_micro,
                     ", n_stages=", n, ", cap=", policy.cap);
-  auto preference = [&](char kind) {  // 0, 1 or 2
-    return static_cast<int64_t>(std::string(policy.order).find(kind));
-  };
+  const std::string order = policy.order;  // each kind's preference: 0, 1 or 2, times n
+  const int64_t prefer_i = static_cast<int64_t>(order.find('I')) * n,
+                prefer_f = static_cast<int64_t>(order.find('F')) * n,
+                prefer_w = static_cast<int64_t>(order.find('W')) * n;
+  TORCH_CHECK_VALUE(order.size() == 3 && prefer_i >= 0 && prefer_f >= 0 && prefer_w >= 0,
+                    "mpipe::schedules: a policy orders I, F and W, got '", order, "'");
   const int64_t workers = *std::max_element(worker_of.begin(), worker_of.end()) + 1;
   auto cost = [&](int64_t s) {
     return costs.empty() ? schedules::StageCost{}
@@ -111,7 +114,7 @@ inline std::vector<schedules::Program> greedy_programs(int64_t n_micro,
   std::vector<double> free_at(static_cast<size_t>(workers), 0);
   std::vector<schedules::Program> programs(static_cast<size_t>(workers));
   for (int64_t left = 3 * n * n_micro; left > 0; --left) {
-    int64_t best_w = -1, best_rank = 0;
+    int64_t best_w = -1;
     double best_at = 0;
     schedules::Op best_op{OpKind::Forward, 0, 0};
     for (int64_t w = 0; w < workers; ++w) {
@@ -134,7 +137,7 @@ inline std::vector<schedules::Program> greedy_programs(int64_t n_micro,
           if (f_end[su][i] >= 0 && up) {
             offer(schedules::I(next_i[su], s),
                   std::max(f_end[su][i], s + 1 == n ? 0.0 : i_end[su + 1][i] + hand_off(s, s + 1)),
-                  preference('I') * n + high);
+                  prefer_i + high);
           }
         }
         if (next_f[su] < n_micro) {
@@ -144,18 +147,17 @@ inline std::vector<schedules::Program> greedy_programs(int64_t n_micro,
               (!entry || (policy.by_units ? units[static_cast<size_t>(w)] + held[static_cast<size_t>(w)]
                                           : admitted[static_cast<size_t>(w)] + 1) <= policy.cap)) {
             offer(schedules::F(next_f[su], s), s == 0 ? 0.0 : f_end[su - 1][i] + hand_off(s - 1, s),
-                  preference('F') * n + high);
+                  prefer_f + high);
           }
         }
         if (next_w[su] < next_i[su]) {
           offer(schedules::W(next_w[su], s), i_end[su][static_cast<size_t>(next_w[su])],
-                preference('W') * n + high);
+                prefer_w + high);
         }
       }
-      if (at >= 0 && (best_w < 0 || at < best_at)) best_w = w, best_at = at, best_rank = rank, best_op = pick;
+      if (at >= 0 && (best_w < 0 || at < best_at)) best_w = w, best_at = at, best_op = pick;
     }
     TORCH_INTERNAL_ASSERT(best_w >= 0, "greedy_programs: no operation can run");
-    (void)best_rank;
     const auto su = static_cast<size_t>(best_op.stage), i = static_cast<size_t>(best_op.micro_batch);
     const auto wu = static_cast<size_t>(best_w);
     const schedules::StageCost c = cost(best_op.stage);
