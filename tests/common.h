@@ -210,20 +210,33 @@ void expect_train_step_transparent(mpipe::ModelPipeline& pipe, Modules stages,
   zero_grads(*pipe);
 }
 
-/// Every schedule train_step offers.
+/// Every schedule train_step offers (ZeroBubbleV needs an even stage count:
+/// schedule_options gives an odd one ZB-H1 instead, the V's other half).
 inline std::vector<mpipe::Schedule> all_schedules() {
-  return {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB, mpipe::Schedule::Interleaved1F1B,
-          mpipe::Schedule::ZeroBubbleH1, mpipe::Schedule::Auto};
+  return {mpipe::Schedule::GPipe,        mpipe::Schedule::OneFOneB,
+          mpipe::Schedule::Interleaved1F1B, mpipe::Schedule::ZeroBubbleH1,
+          mpipe::Schedule::ZeroBubbleV,  mpipe::Schedule::Tailored,
+          mpipe::Schedule::Auto};
 }
 
 /// TrainStepOptions for `schedule` on n_stages stages: Interleaved1F1B and
 /// Auto get 2 chunks per worker when n_stages is even, else every stage on
-/// one worker.
+/// one worker; ZeroBubbleV on an odd count is ZeroBubbleH1; Tailored gets
+/// uneven stage costs.
 inline mpipe::TrainStepOptions schedule_options(mpipe::Schedule schedule, int64_t split,
                                                 int64_t n_stages) {
+  if (schedule == mpipe::Schedule::ZeroBubbleV && n_stages % 2 != 0) {
+    schedule = mpipe::Schedule::ZeroBubbleH1;
+  }
   auto o = mpipe::TrainStepOptions(split).schedule(schedule);
   if (schedule == mpipe::Schedule::Interleaved1F1B || schedule == mpipe::Schedule::Auto) {
     o.virtual_stages(n_stages % 2 == 0 ? 2 : n_stages);
+  }
+  // Tailored: uneven stages and a hand-off cost, so that it builds its own programs.
+  if (schedule == mpipe::Schedule::Tailored) {
+    mpipe::schedules::Costs costs;
+    for (int64_t s = 0; s < n_stages; ++s) costs.push_back({1.0 + s % 3, 2.0, 1.0, 1.0});
+    o.stage_costs(costs);
   }
   return o;
 }

@@ -533,9 +533,11 @@ TEST(TrainStepErrors, BadInputsAreRefusedAndThePipelineStaysUsable) {
                            },
                            schedule_options(schedule, 1, 2)),
           "stage 1",
-          schedule == Schedule::ZeroBubbleH1 ? "input gradient of micro-batch 0 of 4"
-          : schedule == Schedule::Auto       ? "micro-batch 0 of 4"
-                                             : "backward of micro-batch 0 of 4",
+          schedule == Schedule::ZeroBubbleH1 || schedule == Schedule::ZeroBubbleV
+              ? "input gradient of micro-batch 0 of 4"
+          : schedule == Schedule::Auto || schedule == Schedule::Tailored
+              ? "micro-batch 0 of 4"
+              : "backward of micro-batch 0 of 4",
           "planted backward failure");
       // The next step equals the plain model, in loss and gradients.
       zero_grads(*pipe);  // the failed steps left partial gradients
