@@ -124,13 +124,6 @@ inline std::vector<int64_t> split_of(const std::vector<LayerCost>& costs, int64_
   return mpipe::balance::partition(per_layer, n_stages);
 }
 
-/// schedules::simulate's step time, ms, of `schedule` with `m` micro-batches
-/// on `devices` devices (interleaved: 2 stages per device), from the layers'
-/// costs, plus `host` ms per task (the runtime's cost per stage call) and
-/// `transfer` ms per hand-off between stages. ZB-H1's split backward costs
-/// its two passes as measure_layers gives them, the others the whole
-/// backward.
-/// Undefined (negative) when there are fewer layers than stages.
 /// The stages' costs for schedules::simulate: n_stages balanced stages (split_of),
 /// each task plus the runtime's `host` cost, backwards split (I and W as
 /// measured) or whole (B = I + W, one task).
@@ -161,6 +154,13 @@ inline mpipe::schedules::Costs stage_costs_of(const std::vector<LayerCost>& cost
   return stage_costs;
 }
 
+/// schedules::simulate's step time, ms, of `schedule` with `m` micro-batches
+/// on `devices` devices (interleaved: 2 stages per device), from the layers'
+/// costs, plus `host` ms per task (the runtime's cost per stage call) and
+/// `transfer` ms per hand-off between stages. ZB-H1's split backward costs
+/// its two passes as measure_layers gives them, the others the whole
+/// backward.
+/// Undefined (negative) when there are fewer layers than stages.
 inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
                          mpipe::Schedule schedule, int64_t m, double host, double transfer) {
   const int64_t v = schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1;

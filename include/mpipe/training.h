@@ -138,8 +138,9 @@ struct ScheduleChoice {
 // Tailored, weighed last, is built for the costs (Note [Greedy schedules] in
 // mpipe/detail/schedules/greedy.h): list-scheduled programs for every
 // placement the devices allow (a worker per stage; the V; Megatron's
-// interleaving with virtual_stages > 1), every policy (orders IFW, FIW, IWF;
-// caps of 1 to min(m, n) micro-batches or the same in activations), and the
+// interleaving with virtual_stages > 1), every order (IFW, FIW, IWF) with
+// caps of 1 micro-batch up (or as many activations per stage held), raised
+// until two caps in a row are no faster or min(m, n) is reached, and the
 // built-ins themselves; the fastest within its bound wins (memory_limit, or
 // without one the peaks of 1F1B), so it is never predicted slower than a
 // built-in within that bound. Auto picks it only where it is predicted

@@ -131,10 +131,14 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   c.time_chunk = f[8];
   c.programs = f[9];
   for (size_t k = 10; k < f.size();) {
+    TORCH_CHECK(f[k] >= 0 && static_cast<size_t>(f[k]) <= (f.size() - k - 1) / 3,
+                "a malformed call message (a program of ", f[k], " operations in ", f.size(),
+                " fields)");
     const auto len = static_cast<size_t>(f[k++]);
-    TORCH_CHECK(k + 3 * len <= f.size(), "a malformed call message (", f.size(), " fields)");
     c.tailored.emplace_back();
     for (size_t j = 0; j < len; ++j, k += 3) {
+      TORCH_CHECK(f[k] >= 0 && f[k] <= static_cast<int64_t>(schedules::OpKind::BackwardWeight),
+                  "a malformed call message (operation kind ", f[k], ")");
       c.tailored.back().push_back(
           schedules::Op{static_cast<schedules::OpKind>(f[k]), f[k + 1], f[k + 2]});
     }

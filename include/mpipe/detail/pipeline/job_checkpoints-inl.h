@@ -13,6 +13,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <cerrno>
 #include <fcntl.h>
 #include <ftw.h>
 #include <unistd.h>
@@ -160,15 +161,15 @@ MPIPE_FUNC bool read_whole(const std::string& path, std::string& payload, std::s
 // torch 2.11: a SIGSEGV in every call). So folders are removed with POSIX's
 // nftw, children first, without following symbolic links.
 MPIPE_FUNC int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
-  return ::remove(path) == 0 ? 0 : errno;
+  return ::remove(path) == 0 || errno == ENOENT ? 0 : errno;  // gone already: fine
 }
 
-/// Removes `path` and everything under it; true if it is gone.
-MPIPE_FUNC bool remove_tree(const std::string& path) {
-  if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0 && errno != ENOENT) {
-    return false;
-  }
-  return !std::filesystem::exists(path);
+/// Removes checkpoint folder `path` and everything under it, its `complete`
+/// marker first (a half-removed folder never looks complete); best effort,
+/// never throws: an old checkpoint left behind costs only disk.
+MPIPE_FUNC void remove_tree(const std::string& path) {
+  ::unlink((path + "/complete").c_str());
+  ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 /// The checkpoint folders of `directory` that carry the complete marker,

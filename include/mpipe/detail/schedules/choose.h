@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -113,6 +114,7 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
   const bool tailored = options.schedule() == Schedule::Tailored;
   // Built once per question (a step calls it every time).
   std::ostringstream key;
+  key.precision(17);  // every double exactly: nearby costs are other questions
   key << n_micro << ' ' << n_stages << ' ' << options.virtual_stages() << ' ' << tailored << ' '
       << options.memory_limit();
   for (const auto& c : options.stage_costs()) {
@@ -142,7 +144,7 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
   }
   // Tailored: the fastest within its bound of the list-scheduled programs and
   // the built-ins; the bound is memory_limit, or without one 1F1B's peak.
-  const auto& one_f_one_b = choice.candidates[1];
+  const ScheduleChoice::Candidate one_f_one_b = choice.candidates[1];
   auto within = [&](const ScheduleChoice::Candidate& c) {
     return options.memory_limit() > 0 ? c.fits
                                       : c.peak_memory <= one_f_one_b.peak_memory &&
@@ -160,11 +162,18 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
     const int64_t workers = *std::max_element(place.begin(), place.end()) + 1;
     const int64_t held = n_stages / workers, most = std::min(n_micro, n_stages);
     for (const char* order : {"IFW", "FIW", "IWF"}) {
-      for (bool by_units : {false, true}) {
-        for (int64_t cap = by_units ? held : 1; cap <= (by_units ? held : 1) * most; ++cap) {
+      // With a stage per worker the two caps are one.
+      for (bool by_units : held == 1 ? std::vector<bool>{false} : std::vector<bool>{false, true}) {
+        // Raising the cap stops paying once two caps in a row are no faster.
+        double last = std::numeric_limits<double>::infinity();
+        int64_t stale = 0;
+        for (int64_t cap = by_units ? held : 1; cap <= (by_units ? held : 1) * most && stale < 2;
+             ++cap) {
           auto p = detail::greedy_programs(n_micro, place, options.stage_costs(),
                                            {order, cap, by_units});
           const auto c = detail::weigh(Schedule::Tailored, p, options, labels, bytes);
+          stale = c.time < last * (1 - 1e-9) ? 0 : stale + 1;
+          last = std::min(last, c.time);
           if (within(c) && (pick < 0 || detail::better(c, best))) {
             pick = 0, best = c, best_programs = std::move(p);
           }

@@ -80,6 +80,13 @@ inline std::vector<schedules::Program> greedy_programs(int64_t n_micro,
   TORCH_CHECK_VALUE(order.size() == 3 && prefer_i >= 0 && prefer_f >= 0 && prefer_w >= 0,
                     "mpipe::schedules: a policy orders I, F and W, got '", order, "'");
   const int64_t workers = *std::max_element(worker_of.begin(), worker_of.end()) + 1;
+  TORCH_CHECK_VALUE(costs.size() <= 1 || static_cast<int64_t>(costs.size()) >= n,
+                    "mpipe::schedules: ", costs.size(), " costs for ", n, " stages");
+  for (const auto& c : costs) {
+    TORCH_CHECK_VALUE(c.forward >= 0 && c.backward_input >= 0 && c.backward_weight >= 0 &&
+                          c.transfer >= 0,
+                      "mpipe::schedules: a negative or NaN cost");
+  }
   auto cost = [&](int64_t s) {
     return costs.empty() ? schedules::StageCost{}
                          : costs[costs.size() == 1 ? 0 : static_cast<size_t>(s)];
@@ -196,12 +203,14 @@ inline std::vector<int64_t> v_placement(int64_t n_stages) {
 
 namespace schedules {
 inline std::vector<Program> zero_bubble_v(int64_t n_micro, int64_t n_workers) {
-  detail::check_sizes("zero_bubble_v", n_micro, n_workers);
+  TORCH_CHECK_VALUE(n_micro > 0 && n_workers > 0, "mpipe::schedules::zero_bubble_v: sizes must "
+                    "be positive, got n_micro=", n_micro, ", n_workers=", n_workers);
   // Note [Greedy schedules]: the least makespan of the policies that hold at
   // most 2D activations per worker, built once per size.
   static std::mutex mutex;
   static std::map<std::pair<int64_t, int64_t>, std::vector<Program>> built;
   std::lock_guard<std::mutex> lock(mutex);
+  if (built.size() >= 256 && !built.count({n_micro, n_workers})) built.clear();
   auto& out = built[{n_micro, n_workers}];
   if (!out.empty()) return out;
   const auto placement = detail::v_placement(2 * n_workers);
@@ -209,10 +218,10 @@ inline std::vector<Program> zero_bubble_v(int64_t n_micro, int64_t n_workers) {
   for (const char* order : {"IFW", "FIW", "IWF"}) {
     for (bool by_units : {false, true}) {
       for (int64_t cap = by_units ? 2 : 1; cap <= (by_units ? 2 : 1) * n_workers; ++cap) {
-        double span = 0, peak = 0;
+        // Every such cap keeps 2D activations or fewer per worker.
+        double span = 0;
         auto p = detail::greedy_programs(n_micro, placement, {}, {order, cap, by_units}, &span);
-        for (const auto& q : p) peak = std::max(peak, peak_activations(q));
-        if (peak <= 2.0 * n_workers && (out.empty() || span < best)) out = std::move(p), best = span;
+        if (out.empty() || span < best) out = std::move(p), best = span;
       }
     }
   }
