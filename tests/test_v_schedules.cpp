@@ -258,3 +258,27 @@ INSTANTIATE_TEST_SUITE_P(Cpu, TailoredStep,
                          ::testing::Values(VCase{Checkpoint::Never, true},
                                            VCase{Checkpoint::Never, false},
                                            VCase{Checkpoint::Always, true}));
+
+// Tailored with virtual_stages(2) may place stage s on worker s % 2 (the
+// stages share the CPU): still bit for bit GPipe's step.
+TEST(TailoredErrors, VirtualStagesAddInterleavingAndBadOnesAreRefused) {
+  torch::manual_seed(23);
+  auto pipe = ModelPipeline(ModelPipelineOptions().record_timeline(true));
+  for (int64_t s = 0; s < 4; ++s) pipe->append(mlp_stage(3, 3), "cpu");
+  const auto x = torch::randn({8, 3}), y = torch::randn({8, 3});
+  const auto options = TrainStepOptions(1).schedule(Schedule::Tailored).virtual_stages(2)
+                           .stage_costs({{1, 1, 1, 2}});
+  const auto l1 = pipe->train_step(x, y, mse, TrainStepOptions(1));
+  const auto g1 = grads_of(*pipe);
+  zero_grads(*pipe);
+  const auto l2 = pipe->train_step(x, y, mse, options);
+  const auto g2 = grads_of(*pipe);
+  zero_grads(*pipe);
+  EXPECT_TRUE(torch::equal(l1, l2));
+  for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+  EXPECT_EQ(pipe->timeline().schedule, "Tailored");
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(1).schedule(Schedule::Tailored)
+                                                     .virtual_stages(3)),
+                     "virtual_stages=3", "must divide the stage count, 4");
+  EXPECT_TRUE(pipe->train_step(x, y, mse, options).defined());  // still usable
+}
