@@ -19,6 +19,28 @@ using mpipe::Schedule;
 using mpipe::TrainStepOptions;
 namespace sch = mpipe::schedules;
 
+namespace {
+
+/// `options`' step is bit for bit GPipe's (same split): each stage adds its
+/// micro-batches' gradients in the same order. Loss, the input's gradient
+/// and every parameter's gradient compared exactly; gradients zeroed after.
+void expect_gpipes_step(ModelPipeline& pipe, const torch::Tensor& x, const torch::Tensor& y,
+                        const TrainStepOptions& options) {
+  auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+  const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(options.split()));
+  const auto g1 = grads_of(*pipe);
+  zero_grads(*pipe);
+  const auto l2 = pipe->train_step(x2, y, mse, options);
+  const auto g2 = grads_of(*pipe);
+  zero_grads(*pipe);
+  EXPECT_TRUE(torch::equal(l1, l2));
+  EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
+  ASSERT_EQ(g1.size(), g2.size());
+  for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+}
+
+}  // namespace
+
 TEST(ZeroBubbleV, PlacesStagesInAV) {
   EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(1, 3)), (std::vector<int64_t>{0, 1, 2, 2, 1, 0}));
   EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(4, 1)), (std::vector<int64_t>{0, 0}));
@@ -108,19 +130,7 @@ TEST_P(ZeroBubbleVStep, EqualsThePlainModel) {
         const auto y = torch::randn({batch, width}, torch::kDouble);
         expect_train_step_transparent(pipe, stages, devices, x, y, mse,
                                       TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
-        // Bit for bit GPipe's step: each stage adds its micro-batches'
-        // gradients in the same order.
-        auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
-        const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(2));
-        const auto g1 = grads_of(*pipe);
-        zero_grads(*pipe);
-        const auto l2 = pipe->train_step(x2, y, mse, TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
-        const auto g2 = grads_of(*pipe);
-        zero_grads(*pipe);
-        EXPECT_TRUE(torch::equal(l1, l2));
-        EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
-        ASSERT_EQ(g1.size(), g2.size());
-        for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+        expect_gpipes_step(pipe, x, y, TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
       }
     }
     const auto t = pipe->timeline();  // the last step's
@@ -237,16 +247,7 @@ TEST_P(TailoredStep, EqualsThePlainModel) {
       const auto options = TrainStepOptions(2).schedule(schedule).stage_costs(costs)
                                .activation_bytes({1, 1, 1, 1}).memory_limit(6);
       expect_train_step_transparent(pipe, stages, devices, x, y, mse, options);
-      auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
-      const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(2));
-      const auto g1 = grads_of(*pipe);
-      zero_grads(*pipe);
-      const auto l2 = pipe->train_step(x2, y, mse, options);
-      const auto g2 = grads_of(*pipe);
-      zero_grads(*pipe);
-      EXPECT_TRUE(torch::equal(l1, l2));
-      EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
-      for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+      expect_gpipes_step(pipe, x, y, options);
       const auto choice = mpipe::choose_schedule(m, n, options, {0, 0, 0, 0});
       EXPECT_EQ(pipe->timeline().schedule, mpipe::to_string(choice.schedule));
       if (m == 8) EXPECT_EQ(choice.schedule, Schedule::Tailored);
@@ -268,14 +269,7 @@ TEST(TailoredErrors, VirtualStagesAddInterleavingAndBadOnesAreRefused) {
   const auto x = torch::randn({8, 3}), y = torch::randn({8, 3});
   const auto options = TrainStepOptions(1).schedule(Schedule::Tailored).virtual_stages(2)
                            .stage_costs({{1, 1, 1, 2}});
-  const auto l1 = pipe->train_step(x, y, mse, TrainStepOptions(1));
-  const auto g1 = grads_of(*pipe);
-  zero_grads(*pipe);
-  const auto l2 = pipe->train_step(x, y, mse, options);
-  const auto g2 = grads_of(*pipe);
-  zero_grads(*pipe);
-  EXPECT_TRUE(torch::equal(l1, l2));
-  for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+  expect_gpipes_step(pipe, x, y, options);
   EXPECT_EQ(pipe->timeline().schedule, "Tailored");
   MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(1).schedule(Schedule::Tailored)
                                                      .virtual_stages(3)),
