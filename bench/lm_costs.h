@@ -154,19 +154,31 @@ inline mpipe::schedules::Costs stage_costs_of(const std::vector<LayerCost>& cost
   return stage_costs;
 }
 
+/// The stages `schedule` runs on `devices` devices: 2 per device for the
+/// interleaved and V-shaped ones, else 1.
+inline int64_t stages_of(mpipe::Schedule schedule, int64_t devices) {
+  const bool two = schedule == mpipe::Schedule::Interleaved1F1B ||
+                   schedule == mpipe::Schedule::ZeroBubbleV ||
+                   schedule == mpipe::Schedule::DualPipeV;
+  return two ? 2 * devices : devices;
+}
+
 /// schedules::simulate's step time, ms, of `schedule` with `m` micro-batches
-/// on `devices` devices (interleaved: 2 stages per device), from the layers'
-/// costs, plus `host` ms per task (the runtime's cost per stage call) and
-/// `transfer` ms per hand-off between stages. ZB-H1's split backward costs
-/// its two passes as measure_layers gives them, the others the whole
-/// backward.
+/// on `devices` devices (interleaved, ZB-V, DualPipeV: 2 stages per device),
+/// from the layers' costs, plus `host` ms per task (the runtime's cost per
+/// stage call) and `transfer` ms per hand-off between stages. The
+/// zero-bubble schedules' split backward costs its two passes as
+/// measure_layers gives them, the others the whole backward.
 /// Undefined (negative) when there are fewer layers than stages.
 inline double predict_ms(const std::vector<LayerCost>& costs, int64_t devices,
                          mpipe::Schedule schedule, int64_t m, double host, double transfer) {
   const int64_t v = schedule == mpipe::Schedule::Interleaved1F1B ? 2 : 1;
-  const int64_t n_stages = devices * v;
+  const int64_t n_stages = stages_of(schedule, devices);
   if (n_stages > static_cast<int64_t>(costs.size())) return -1;
-  const bool split = schedule == mpipe::Schedule::ZeroBubbleH1 || schedule == mpipe::Schedule::Tailored;
+  const bool split = schedule == mpipe::Schedule::ZeroBubbleH1 ||
+                     schedule == mpipe::Schedule::Tailored ||
+                     schedule == mpipe::Schedule::ZeroBubbleV ||
+                     schedule == mpipe::Schedule::DualPipeV;
   const auto stage_costs = stage_costs_of(costs, n_stages, split, host, transfer);
   if (schedule == mpipe::Schedule::Tailored) {  // built for these costs
     const auto options = mpipe::TrainStepOptions(1).schedule(schedule).stage_costs(stage_costs);

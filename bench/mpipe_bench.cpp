@@ -572,6 +572,7 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
       {"zb-h1", mpipe::Schedule::ZeroBubbleH1, 4, "zb-h1"},
       {"interleaved-1f1b(v=2)", mpipe::Schedule::Interleaved1F1B, 8, "interleaved-1f1b-v2"},
       {"zb-v", mpipe::Schedule::ZeroBubbleV, 8, "zb-v"},
+      {"dualpipe-v", mpipe::Schedule::DualPipeV, 8, "dualpipe-v"},
       {"tailored", mpipe::Schedule::Tailored, 4, "tailored"},
       {"auto", mpipe::Schedule::Auto, 4, "auto"}};
   for (const Mode& mode : modes) {
@@ -587,10 +588,10 @@ json schedules_workload(const Timer& timer, const torch::Device& device, const s
           stage->push_back(layers[static_cast<size_t>(l)]);
           stage->push_back(nn::ReLU());
         }
-        // Interleaved: stage s on worker s % 4's device; ZB-V: in a V.
-        const int64_t worker = mode.schedule == mpipe::Schedule::ZeroBubbleV
-                                   ? (s < 4 ? s : 7 - s)
-                                   : s % 4;
+        // Interleaved: stage s on worker s % 4's device; ZB-V, DualPipeV: in a V.
+        const bool vee = mode.schedule == mpipe::Schedule::ZeroBubbleV ||
+                         mode.schedule == mpipe::Schedule::DualPipeV;
+        const int64_t worker = vee ? (s < 4 ? s : 7 - s) : s % 4;
         pipe->append(stage, devices4[static_cast<size_t>(worker)]);
       }
       return pipe;

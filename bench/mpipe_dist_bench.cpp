@@ -58,6 +58,7 @@ struct Config {
   bool snn = false;
   bool lm = false;
   double host_us = 4;  // --lm: the runtime's cost per task (bench/RESULTS.md, the CPU)
+  int64_t blocks = 2;  // --lm: transformer blocks
   int64_t T = 8;
   // micro-batches x time chunk (steps per item), e.g. "1x8,2x8,4x4"
   std::string grid = "1x8,1x4,1x2,1x1,2x8,4x8,8x8,2x4,4x4,4x2";
@@ -248,7 +249,7 @@ int snn_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
 int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   const int64_t n = group.pipeline_size(), m = 8, vocab = 100, batch = 16, context = 64;
   torch::manual_seed(0);
-  transformer_lm::Layers layers(vocab, /*layers=*/2, /*dim=*/64, /*heads=*/4, context);
+  transformer_lm::Layers layers(vocab, /*layers=*/c.blocks, /*dim=*/64, /*heads=*/4, context);
   const auto x = torch::randint(vocab, {batch, context}, torch::kLong);
   const auto y = torch::randint(vocab, {batch, context}, torch::kLong);
   const auto& loss_fn = transformer_lm::lm_loss;
@@ -296,7 +297,7 @@ int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
   double together = 0;
   {
     torch::manual_seed(0);
-    transformer_lm::Layers copy(vocab, 2, 64, 4, context);
+    transformer_lm::Layers copy(vocab, c.blocks, 64, 4, context);
     auto all = copy.all();
     auto opt_copy = make_opt(all->parameters());
     together = group.max(median_seconds(c, [&] {
@@ -404,20 +405,77 @@ int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
                      {"speedup_vs_fair_plain", plain / t},
                      {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
   }
+  // The V: 2n stages, rank r holding stages r and 2n - 1 - r (stage_numbers).
+  std::vector<std::pair<const char*, mpipe::Schedule>> ran(std::begin(schedules), std::end(schedules));
+  if (2 * n <= layers.size()) {
+    const auto v_split = lm_bench::split_of(costs, 2 * n);
+    const auto mine = group.v_stages(2 * n);
+    mpipe::ModelPipeline vee(
+        mpipe::ModelPipelineOptions().process_group(group).stage_numbers(mine));
+    int64_t at = 0;
+    for (int64_t s = 0; s < 2 * n; ++s) {
+      torch::nn::Sequential stage;
+      for (int64_t k = 0; k < v_split[static_cast<size_t>(s)]; ++k) layers.push(stage, at + k);
+      at += v_split[static_cast<size_t>(s)];
+      if (s == mine[0] || s == mine[1]) vee->append(stage, "cpu");
+    }
+    auto v_opt = make_opt(vee->parameters());
+    for (const auto& sc : {std::make_pair("zbv", mpipe::Schedule::ZeroBubbleV),
+                           std::make_pair("dualpipev", mpipe::Schedule::DualPipeV)}) {
+      const auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
+      const double t = median_seconds(c, [&] {
+        v_opt->zero_grad();
+        vee->train_step(x, y, loss_fn, options);
+        mpipe::clip_grad_norm(*vee, 1.0);
+        v_opt->step();
+      }, barrier);
+      const double predicted =
+          lm_bench::predict_ms(costs, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
+          1e3 * optimizer / static_cast<double>(n);
+      const double predicted_contended =
+          lm_bench::predict_ms(contended, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
+          1e3 * optimizer * contention / static_cast<double>(n);
+      out[sc.first] = {{"measured_ms", 1e3 * t}, {"predicted_ms", predicted},
+                       {"measured_to_predicted", 1e3 * t / predicted},
+                       {"predicted_with_contention_ms", predicted_contended},
+                       {"measured_to_predicted_with_contention", 1e3 * t / predicted_contended},
+                       {"speedup_vs_fair_plain", plain / t},
+                       {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
+      ran.push_back(sc);
+    }
+  }
+  // Predicted peak activations per rank, in one layer's activations of one
+  // micro-batch (a stage of k layers holds k per micro-batch in flight).
+  for (const auto& sc : ran) {
+    const int64_t n_stages = lm_bench::stages_of(sc.second, n);
+    const auto programs =
+        sc.second == mpipe::Schedule::Tailored
+            ? mpipe::choose_schedule(m, n_stages, mpipe::TrainStepOptions(1)
+                                                      .schedule(sc.second)
+                                                      .stage_costs(measured))
+                  .programs
+            : mpipe::programs_for(sc.second, m, n_stages);
+    const auto sizes = lm_bench::split_of(costs, n_stages);
+    const std::vector<double> per_stage(sizes.begin(), sizes.end());
+    double peak = 0;
+    for (const auto& p : programs) peak = std::max(peak, mpipe::schedules::peak_activations(p, per_stage));
+    out[sc.first]["predicted_peak_layer_activations"] = peak;
+  }
   barrier();
   if (group.rank() == 0) {
     std::printf("%s\n", out.dump(2).c_str());
-    for (const auto& sc : schedules) {
+    for (const auto& sc : ran) {
       const auto& e = out[sc.first];
       std::printf("lm %s on %lld ranks: %.1f ms measured, %.1f ms predicted (%.2f), %.1f ms "
                   "with the ranks' contention %.2f (%.2f); fair plain baseline %.1f ms: %.2fx "
-                  "measured, %.2fx predicted\n",
+                  "measured, %.2fx predicted; peak %.0f layer activations (predicted)\n",
                   sc.first, static_cast<long long>(n), e["measured_ms"].get<double>(),
                   e["predicted_ms"].get<double>(), e["measured_to_predicted"].get<double>(),
                   e["predicted_with_contention_ms"].get<double>(), contention,
                   e["measured_to_predicted_with_contention"].get<double>(), 1e3 * plain,
                   e["speedup_vs_fair_plain"].get<double>(),
-                  e["predicted_speedup_vs_fair_plain"].get<double>());
+                  e["predicted_speedup_vs_fair_plain"].get<double>(),
+                  e["predicted_peak_layer_activations"].get<double>());
     }
     if (!c.json.empty()) std::ofstream(c.json) << out.dump(2) << "\n";
   }
@@ -441,6 +499,8 @@ int main(int argc, char** argv) {
   app.add_option("--grid", c.grid, "--snn: micro-batches x time chunk pairs, e.g. 1x8,2x8,4x4");
   app.add_flag("--lm", c.lm, "the transformer_lm example's model instead, against the prediction");
   app.add_option("--host-us", c.host_us, "--lm: the runtime's cost per task for the prediction (µs)");
+  app.add_option("--blocks", c.blocks, "--lm: transformer blocks (2 + blocks layers)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   at::set_num_threads(1);

@@ -210,22 +210,41 @@ void expect_train_step_transparent(mpipe::ModelPipeline& pipe, Modules stages,
   zero_grads(*pipe);
 }
 
-/// Every schedule train_step offers (ZeroBubbleV needs an even stage count:
-/// schedule_options gives an odd one ZB-H1 instead, the V's other half).
+/// `options`' step is bit for bit GPipe's (same split): each stage adds its
+/// micro-batches' gradients in the same order. Loss, the input's gradient
+/// and every parameter's gradient compared exactly; gradients zeroed after.
+inline void expect_gpipes_step(mpipe::ModelPipeline& pipe, const torch::Tensor& x,
+                               const torch::Tensor& y, const mpipe::TrainStepOptions& options) {
+  auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+  const auto l1 = pipe->train_step(x1, y, mse, mpipe::TrainStepOptions(options.split()));
+  const auto g1 = grads_of(*pipe);
+  zero_grads(*pipe);
+  const auto l2 = pipe->train_step(x2, y, mse, options);
+  const auto g2 = grads_of(*pipe);
+  zero_grads(*pipe);
+  EXPECT_TRUE(torch::equal(l1, l2));
+  EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
+  ASSERT_EQ(g1.size(), g2.size());
+  for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
+}
+
+/// Every schedule train_step offers (ZeroBubbleV and DualPipeV need an even
+/// stage count: schedule_options gives an odd one ZB-H1 instead).
 inline std::vector<mpipe::Schedule> all_schedules() {
   return {mpipe::Schedule::GPipe,        mpipe::Schedule::OneFOneB,
           mpipe::Schedule::Interleaved1F1B, mpipe::Schedule::ZeroBubbleH1,
-          mpipe::Schedule::ZeroBubbleV,  mpipe::Schedule::Tailored,
-          mpipe::Schedule::Auto};
+          mpipe::Schedule::ZeroBubbleV,  mpipe::Schedule::DualPipeV,
+          mpipe::Schedule::Tailored,     mpipe::Schedule::Auto};
 }
 
 /// TrainStepOptions for `schedule` on n_stages stages: Interleaved1F1B and
 /// Auto get 2 chunks per worker when n_stages is even, else every stage on
-/// one worker; ZeroBubbleV on an odd count is ZeroBubbleH1; Tailored gets
+/// one worker; ZeroBubbleV and DualPipeV on an odd count are ZeroBubbleH1; Tailored gets
 /// uneven stage costs.
 inline mpipe::TrainStepOptions schedule_options(mpipe::Schedule schedule, int64_t split,
                                                 int64_t n_stages) {
-  if (schedule == mpipe::Schedule::ZeroBubbleV && n_stages % 2 != 0) {
+  if ((schedule == mpipe::Schedule::ZeroBubbleV || schedule == mpipe::Schedule::DualPipeV) &&
+      n_stages % 2 != 0) {
     schedule = mpipe::Schedule::ZeroBubbleH1;
   }
   auto o = mpipe::TrainStepOptions(split).schedule(schedule);
@@ -241,7 +260,7 @@ inline mpipe::TrainStepOptions schedule_options(mpipe::Schedule schedule, int64_
   return o;
 }
 
-/// A name usable in test names: GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, ZeroBubbleV, Auto.
+/// A name usable in test names: GPipe, OneFOneB, ..., DualPipeV, Tailored, Auto.
 inline std::string schedule_name(mpipe::Schedule s) {
   switch (s) {
     case mpipe::Schedule::GPipe: return "GPipe";
@@ -249,6 +268,8 @@ inline std::string schedule_name(mpipe::Schedule s) {
     case mpipe::Schedule::Interleaved1F1B: return "Interleaved1F1B";
     case mpipe::Schedule::ZeroBubbleH1: return "ZeroBubbleH1";
     case mpipe::Schedule::ZeroBubbleV: return "ZeroBubbleV";
+    case mpipe::Schedule::DualPipeV: return "DualPipeV";
+    case mpipe::Schedule::Tailored: return "Tailored";
     case mpipe::Schedule::Auto: return "Auto";
   }
   return "Unknown";

@@ -19,27 +19,6 @@ using mpipe::Schedule;
 using mpipe::TrainStepOptions;
 namespace sch = mpipe::schedules;
 
-namespace {
-
-/// `options`' step is bit for bit GPipe's (same split): each stage adds its
-/// micro-batches' gradients in the same order. Loss, the input's gradient
-/// and every parameter's gradient compared exactly; gradients zeroed after.
-void expect_gpipes_step(ModelPipeline& pipe, const torch::Tensor& x, const torch::Tensor& y,
-                        const TrainStepOptions& options) {
-  auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
-  const auto l1 = pipe->train_step(x1, y, mse, TrainStepOptions(options.split()));
-  const auto g1 = grads_of(*pipe);
-  zero_grads(*pipe);
-  const auto l2 = pipe->train_step(x2, y, mse, options);
-  const auto g2 = grads_of(*pipe);
-  zero_grads(*pipe);
-  EXPECT_TRUE(torch::equal(l1, l2));
-  EXPECT_TRUE(torch::equal(x1.grad(), x2.grad()));
-  ASSERT_EQ(g1.size(), g2.size());
-  for (const auto& g : g1) EXPECT_TRUE(torch::equal(g.second, g2.at(g.first))) << g.first;
-}
-
-}  // namespace
 
 TEST(ZeroBubbleV, PlacesStagesInAV) {
   EXPECT_EQ(sch::stage_workers(sch::zero_bubble_v(1, 3)), (std::vector<int64_t>{0, 1, 2, 2, 1, 0}));

@@ -277,14 +277,28 @@ bool across_processes(torch::Device) {
   if (group.is_last()) std::cout << loss.item<double>() << "\n";            // other ranks: undefined
   torch::save(pipe, group.rank_path("model.pt"));    // each rank its stages: model.rank0.pt, ...
 
-  if (!group.is_last()) return !loss.defined();
-  torch::Tensor h = x;                                // the plain model, on one rank
-  for (int64_t s = 0; s < 4; ++s) {
-    auto stage = make_stage(s);
-    stage->to(device);
-    h = stage->forward(h);
-  }
-  return close(loss, loss_fn(h, y));
+  // The V of ZB-V and DualPipeV: rank r holds stages r and 2S - 1 - r of 2S,
+  // so rank 0 reads the inputs and also gets the loss.
+  const auto mine = group.v_stages(2 * group.pipeline_size());  // rank 1 of 2: {1, 2}
+  mpipe::ModelPipeline vee(mpipe::ModelPipelineOptions().process_group(group).stage_numbers(mine));
+  for (int64_t s : mine) vee->append(make_stage(s), device);
+  auto step = mpipe::TrainStepOptions(8).schedule(mpipe::Schedule::DualPipeV);
+  auto v_loss = vee->train_step(x, y, loss_fn, step);
+  if (v_loss.defined()) std::cout << v_loss.item<double>() << "\n";  // rank 0
+
+  auto plain = [&](int64_t n) {  // the plain model of n stages, on one rank
+    torch::Tensor h = x;
+    for (int64_t s = 0; s < n; ++s) {
+      auto stage = make_stage(s);
+      stage->to(device);
+      h = stage->forward(h);
+    }
+    return loss_fn(h, y);
+  };
+  const bool v_ok = group.pipeline_rank() == 0
+                        ? close(v_loss, plain(2 * group.pipeline_size()))
+                        : !v_loss.defined();
+  return v_ok && (group.is_last() ? close(loss, plain(4)) : !loss.defined());
 }
 
 }  // namespace

@@ -14,12 +14,14 @@
 //
 // Every rank runs the same program and makes the same pipeline calls in the
 // same order. Each rank appends a contiguous range of the stages (one or
-// more, on its own devices); ranks are ordered along the pipeline by
+// more, on its own devices; ModelPipelineOptions::stage_numbers places them
+// otherwise, as in the V of v_stages); ranks are ordered along the pipeline by
 // pipeline_rank(). The first rank's inputs are the call's inputs (other
-// ranks' are ignored and may be undefined); the last rank's target is the
-// step's target. The last rank gets the outputs (forward-type calls) or the
-// loss (training steps); every other rank gets an undefined tensor (an empty
-// Tensors from the overloads taking std::vector<Input>). docs/distributed.md
+// ranks' are ignored and may be undefined); the last rank's (the one holding
+// the last stage) target is the step's target. It gets the outputs
+// (forward-type calls) or the loss (training steps); every other rank gets an
+// undefined tensor (an empty Tensors from the overloads taking
+// std::vector<Input>). docs/distributed.md
 // has the protocol, the failure rules and the launch commands.
 
 #include <torch/arg.h>
@@ -29,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace mpipe {
 namespace detail {
@@ -92,7 +95,9 @@ class ProcessGroup {
   int64_t pipeline_size() const;
   /// Whether this rank holds the pipeline's first stages (it reads the inputs).
   bool is_first() const { return pipeline_rank() == 0; }
-  /// Whether this rank holds the pipeline's last stages (it gets the outputs or the loss).
+  /// Whether this is the last pipeline rank: it holds the pipeline's last
+  /// stages and gets the outputs or the loss, unless stage_numbers placed the
+  /// stages otherwise (in the V, rank 0 holds the last stage).
   bool is_last() const { return pipeline_rank() + 1 == pipeline_size(); }
   /// The backend for CUDA tensors (Gloo carries the messages' headers and CPU
   /// tensors in every case).
@@ -104,6 +109,11 @@ class ProcessGroup {
   /// split into pipeline_size() contiguous ranges, the first ranges one
   /// stage longer when they do not divide evenly.
   std::pair<int64_t, int64_t> stage_range(int64_t n_stages) const;
+  /// The stages of `n_stages` = 2 * pipeline_size() this rank holds in the V
+  /// placement of ZB-V and DualPipeV: pipeline rank r holds stages r and
+  /// n_stages - 1 - r, so rank 0 holds the first and the last stage. Pass
+  /// them to ModelPipelineOptions::stage_numbers and append those stages.
+  std::vector<int64_t> v_stages(int64_t n_stages) const;
   /// `path` with ".rank<r>" before its extension ("model.pt" ->
   /// "model.rank1.pt"): where each rank saves and loads its stages.
   std::string rank_path(const std::string& path) const;

@@ -11,6 +11,9 @@
 
 #include <torch/arg.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace mpipe {
 
 /// Options of a ModelPipeline, in the style of torch::nn's options structs:
@@ -143,10 +146,19 @@ struct ModelPipelineOptions {
   /// counters are process-wide: leave this off if other code reads them.
   TORCH_ARG(bool, track_memory) = false;
   /// The process group the pipeline spans (mpipe/distributed.h): each rank
-  /// appends its own contiguous range of the stages, and every rank makes the
-  /// same calls. Undefined (the default): the pipeline lives in this process.
-  /// Set it before the first call; calls then never run as CUDA graphs.
+  /// appends its own stages (a contiguous range, unless stage_numbers says
+  /// otherwise), and every rank makes the same calls. Undefined (the
+  /// default): the pipeline lives in this process. Set it before the first
+  /// call; calls then never run as CUDA graphs.
   TORCH_ARG(distributed::ProcessGroup, process_group);
+  /// Across processes: the pipeline's stage numbers of the stages this rank
+  /// appends, ascending, in append order; ProcessGroup::v_stages gives the V
+  /// of ZB-V (rank r holds stages r and 2S - 1 - r of 2S). Every rank sets
+  /// them or none does; together they number every stage once, and pipeline
+  /// rank 0 holds stage 0 (it reads the inputs). The rank that holds the last
+  /// stage gets the outputs and the loss. Empty (the default): the ranks hold
+  /// contiguous ranges in pipeline-rank order. Checked at the first call.
+  TORCH_ARG(std::vector<int64_t>, stage_numbers);
 };
 
 }  // namespace mpipe

@@ -41,6 +41,13 @@ enum class Schedule {
   /// bubble at 1F1B's peak memory. Place stage s on the device of worker
   /// schedules::stage_workers(programs)[s] when you append it.
   ZeroBubbleV,
+  /// DualPipeV (DeepSeek's V-shaped DualPipe) on ZB-V's placement: in its
+  /// steady state each worker runs a forward of one stage paired with a
+  /// backward of its other stage (Op::with_next), issued together so that a
+  /// GPU runs them at once on the two stages' streams (Note [DualPipeV] in
+  /// mpipe/detail/schedules/dualpipe_v.h). Needs 2 * workers micro-batches
+  /// or more; with fewer it runs ZB-V's programs.
+  DualPipeV,
   /// Programs built for TrainStepOptions::stage_costs by list scheduling: the
   /// fastest that simulate predicts within the memory bound, never slower
   /// than a built-in schedule within it (choose_schedule, Note [Choosing a
@@ -52,7 +59,7 @@ enum class Schedule {
   Auto,
 };
 
-/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-V", "Tailored" or "Auto".
+/// "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-V", "DualPipeV", "Tailored" or "Auto".
 inline const char* to_string(Schedule s) {
   switch (s) {
     case Schedule::GPipe: return "GPipe";
@@ -60,6 +67,7 @@ inline const char* to_string(Schedule s) {
     case Schedule::Interleaved1F1B: return "Interleaved1F1B";
     case Schedule::ZeroBubbleH1: return "ZB-H1";
     case Schedule::ZeroBubbleV: return "ZB-V";
+    case Schedule::DualPipeV: return "DualPipeV";
     case Schedule::Tailored: return "Tailored";
     case Schedule::Auto: return "Auto";
   }
@@ -109,7 +117,12 @@ struct Op {
   int64_t micro_batch;
   /// The stage it runs.
   int64_t stage;
-  /// Same kind, micro-batch and stage.
+  /// This operation and the next one of its program are one action: a forward
+  /// and a backward (B or I) of other stages and micro-batches, whose work is
+  /// issued one after the other and whose results are handed on after both
+  /// (DualPipeV's overlapped F&B, Note [DualPipeV]).
+  bool with_next = false;
+  /// Same kind, micro-batch and stage (with_next aside).
   bool operator==(const Op& b) const {
     return kind == b.kind && micro_batch == b.micro_batch && stage == b.stage;
   }
@@ -131,10 +144,10 @@ inline Op W(int64_t micro_batch, int64_t stage) {
 }
 
 /// Writes e.g. "F(3, 1)", the forward of micro-batch 3 on stage 1 (B, I, W:
-/// the full backward and the two halves of a split one).
+/// the full backward and the two halves of a split one; "&" after it: with_next).
 inline std::ostream& operator<<(std::ostream& out, const Op& op) {
   return out << "FBIW"[static_cast<int>(op.kind)] << '(' << op.micro_batch << ", " << op.stage
-             << ')';
+             << ')' << (op.with_next ? "&" : "");
 }
 
 /// One rank's operations, in the order it runs them.
@@ -323,16 +336,13 @@ inline void validate(const std::vector<Program>& programs, int64_t n_stages, int
 inline double peak_activations(const Program& program, const std::vector<double>& per_stage = {}) {
   double live = 0, peak = 0;
   for (const Op& op : program) {
-    const double size =
-        per_stage.empty() ? 1.0
-                          : per_stage.at(static_cast<size_t>(op.stage));
+    const double size = per_stage.empty() ? 1.0 : per_stage.at(static_cast<size_t>(op.stage));
     if (op.kind == OpKind::Forward) live += size;
     if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardWeight) live -= size;
     peak = std::max(peak, live);
   }
   return peak;
 }
-
 
 /// The worker that runs each stage in `programs`: stage s on worker
 /// stage_workers(programs)[s] (-1 for a stage none runs).
@@ -349,10 +359,14 @@ inline std::vector<int64_t> stage_workers(const std::vector<Program>& programs) 
 
 }  // namespace schedules
 
+namespace detail {  // DualPipeV's programs on n_workers (mpipe/detail/schedules/dualpipe_v.h)
+inline std::vector<schedules::Program> dualpipe_v(int64_t n_micro, int64_t n_workers);
+}  // namespace detail
+
 /// The programs `s` gives n_stages stages (not Auto or Tailored, which depend
 /// on the costs: see choose_schedule), one per worker: a
 /// starting point for hand-written TrainStepOptions::programs. ZeroBubbleV
-/// needs an even n_stages (n_stages / 2 workers).
+/// and DualPipeV need an even n_stages (n_stages / 2 workers).
 inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro, int64_t n_stages,
                                                     int64_t virtual_stages = 1) {
   switch (s) {
@@ -365,6 +379,10 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
       TORCH_CHECK_VALUE(n_stages % 2 == 0, "mpipe: ZB-V needs an even number of stages (two per "
                         "worker, in a V), got ", n_stages);
       return schedules::zero_bubble_v(n_micro, n_stages / 2);
+    case Schedule::DualPipeV:
+      TORCH_CHECK_VALUE(n_stages % 2 == 0, "mpipe: DualPipeV needs an even number of stages (two "
+                        "per worker, in a V), got ", n_stages);
+      return detail::dualpipe_v(n_micro, n_stages / 2);
     case Schedule::Auto:
     case Schedule::Tailored: break;
   }
@@ -374,6 +392,7 @@ inline std::vector<schedules::Program> programs_for(Schedule s, int64_t n_micro,
 
 }  // namespace mpipe
 
+#include <mpipe/detail/schedules/dualpipe_v.h>  // DualPipeV's programs
 #include <mpipe/detail/schedules/greedy.h>    // zero_bubble_v's definition
 #include <mpipe/detail/schedules/validate.h>  // validate's
 

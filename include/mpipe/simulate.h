@@ -10,6 +10,7 @@
 #include <mpipe/schedule.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -41,6 +42,8 @@ struct TimedOp {
 /// between stages of different ranks, nothing between two of one rank. `devices` (one per rank; empty:
 /// every rank its own) names the device each rank computes on; ranks on one
 /// device run one operation at a time between them, the earliest-ready first.
+/// A pair (Op::with_next) runs its two operations one after the other and
+/// hands on the first one's result when the second ends.
 /// Returns every operation with its start and end, by start time
 /// (dependencies first). Throws c10::ValueError (a c10::Error) if the
 /// programs cannot finish (a dependency cycle, a missing operation) or a cost
@@ -123,6 +126,9 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
     }
     return ready;
   };
+  // Per rank: the first operation of a pair whose result waits for the
+  // pair's end (kind F or B/I, stage, micro-batch), or none.
+  std::vector<c10::optional<Op>> held(programs.size());
   std::vector<TimedOp> out;
   out.reserve(remaining);
   while (remaining > 0) {
@@ -146,15 +152,23 @@ inline std::vector<TimedOp> simulate(const std::vector<Program>& programs, const
                                   stuck + " wait for operations that never run)");
     }
     const Op op = programs[best][pc[best]];
-    const auto s = static_cast<size_t>(op.stage), i = static_cast<size_t>(op.micro_batch);
     const StageCost c = cost(op.stage);
     const double d = op.kind == OpKind::Forward         ? c.forward
                      : op.kind == OpKind::Backward      ? c.backward_input + c.backward_weight
                      : op.kind == OpKind::BackwardInput ? c.backward_input
                                                         : c.backward_weight;
     const double end = best_at + d;
-    if (op.kind == OpKind::Forward) f_end[s][i] = end;
-    if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput) g_end[s][i] = end;
+    auto finish = [&](const Op& done) {
+      const auto ds = static_cast<size_t>(done.stage), di = static_cast<size_t>(done.micro_batch);
+      if (done.kind == OpKind::Forward) f_end[ds][di] = end;
+      if (done.kind == OpKind::Backward || done.kind == OpKind::BackwardInput) g_end[ds][di] = end;
+    };
+    if (held[best]) finish(*held[best]), held[best].reset();
+    if (op.with_next && pc[best] + 1 < programs[best].size()) {
+      held[best] = op;
+    } else {
+      finish(op);
+    }
     out.push_back(TimedOp{static_cast<int64_t>(best), op, best_at, end});
     rank_free[best] = end;
     device_free[device[best]] = end;

@@ -41,6 +41,11 @@ struct Timeline {
     c10::Device device = c10::kCPU;     ///< where it ran
     double start_ms = 0;  ///< when it started
     double end_ms = 0;    ///< when it ended
+    /// Run as one action with another task of its worker: DualPipeV's
+    /// forward and backward, issued together (Note [DualPipeV]). On a GPU
+    /// the two may overlap in time (bubble_fraction then counts the overlap
+    /// twice); the SVG draws each in half its row.
+    bool paired = false;
   };
 
   std::string method;     ///< "forward", "train_step", ...

@@ -70,7 +70,7 @@ struct TrainStepOptions {
   /// Interleaved1F1B (and Auto's interleaved candidate): chunks per worker; it
   /// must divide the stage count. 1 makes Interleaved1F1B plain 1F1B. train_step
   /// refuses a value below 1, one that does not divide the stage count, and
-  /// any value other than 1 with GPipe, OneFOneB, ZeroBubbleH1 or ZeroBubbleV
+  /// any value other than 1 with GPipe, OneFOneB, ZeroBubbleH1, ZeroBubbleV or DualPipeV
   /// (their placements are fixed). With Auto, a value above 1 adds
   /// Interleaved1F1B to the candidates, and with Tailored its placement
   /// (Note [Choosing a schedule]).
@@ -129,7 +129,8 @@ struct ScheduleChoice {
 // its workers, and its peak must not exceed memory_limit. Built-in
 // candidates, in this order: GPipe, 1F1B and ZB-H1; Interleaved1F1B when
 // virtual_stages > 1; ZB-V when the stages are even in number and stage s
-// shares a device with stage n-1-s (a V: all on one GPU, for one). Auto takes
+// shares a device with stage n-1-s (a V: all on one GPU, for one). Not
+// DualPipeV, whose pairs' overlap the model does not see. Auto takes
 // the fastest built-in that fits (times within a relative 1e-9 count as
 // equal); among equally fast ones, the one with the fewest peak bytes, then
 // the fewest peak activations, then the earlier in that list. If none fits,

@@ -156,13 +156,14 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
   const at::Tensor y = torch::randn({10, 3}, torch::kDouble);
   for (auto schedule : {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
                         mpipe::Schedule::Interleaved1F1B, mpipe::Schedule::ZeroBubbleH1,
-                        mpipe::Schedule::ZeroBubbleV, mpipe::Schedule::Tailored,
-                        mpipe::Schedule::Auto}) {
+                        mpipe::Schedule::ZeroBubbleV, mpipe::Schedule::DualPipeV,
+                        mpipe::Schedule::Tailored, mpipe::Schedule::Auto}) {
     for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::ExceptLast,
                             mpipe::Checkpoint::Always}) {
       for (bool threads : {true, false}) {
         const bool interleaved = schedule == mpipe::Schedule::Interleaved1F1B;
-        const bool even = interleaved || schedule == mpipe::Schedule::ZeroBubbleV;
+        const bool even = interleaved || schedule == mpipe::Schedule::ZeroBubbleV ||
+                          schedule == mpipe::Schedule::DualPipeV;
         const auto stages = make_model(even ? 2 * ranks : ranks + 1);
         auto reference = make_model(static_cast<int64_t>(stages.size()));
         auto pipe = make_pipe(stages, mpipe::ModelPipelineOptions()
@@ -188,6 +189,129 @@ TEST(Distributed, TrainStepEqualsThePlainModelUnderEverySchedule) {
       }
     }
   }
+}
+
+// The V (ProcessGroup::v_stages): rank r holds stages r and 2S - 1 - r, so
+// rank 0 reads the inputs and gets the outputs and the loss. Every schedule
+// runs on it (ZB-V's programs are one per rank there), and the results equal
+// the plain model's for micro-batch counts from 1 to 3S.
+TEST(Distributed, VPlacedStagesEqualThePlainModel) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t ranks = group().pipeline_size();
+  const auto mine = group().v_stages(2 * ranks);
+  ASSERT_EQ(mine, (std::vector<int64_t>{group().pipeline_rank(),
+                                        2 * ranks - 1 - group().pipeline_rank()}));
+  const bool holds_last = group().pipeline_rank() == 0;
+  const auto stages = make_model(2 * ranks);
+  auto v_pipe = [&](const Stages& from, mpipe::ModelPipelineOptions options) {
+    mpipe::ModelPipeline pipe(options.process_group(group()).stage_numbers(mine));
+    for (int64_t s : mine) pipe->append(copy(from[static_cast<size_t>(s)]), "cpu");
+    return pipe;
+  };
+  {
+    torch::NoGradGuard no_grad;
+    auto pipe = v_pipe(stages, {});
+    const at::Tensor x = input(7);
+    const at::Tensor out = pipe->forward(group().is_first() ? x : at::Tensor(), 3);
+    const at::Tensor c = pipe->constant_forward(group().is_first() ? x : at::Tensor(), 4, true);
+    if (holds_last) {
+      expect_close(out, plain(stages, x), "forward on the V");
+      expect_close(c, plain(stages, x) * 4, "constant_forward on the V");
+    } else {
+      EXPECT_FALSE(out.defined());
+      EXPECT_FALSE(c.defined());
+    }
+  }
+  const at::Tensor x = input(12);
+  torch::manual_seed(3);
+  const at::Tensor y = torch::randn({12, 3}, torch::kDouble);
+  for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1,
+                        mpipe::Schedule::ZeroBubbleV, mpipe::Schedule::DualPipeV,
+                        mpipe::Schedule::Tailored, mpipe::Schedule::Auto}) {
+    for (int64_t m : {int64_t{1}, ranks, 2 * ranks + 1, 3 * ranks}) {
+      for (auto checkpoint : {mpipe::Checkpoint::Never, mpipe::Checkpoint::Always}) {
+        for (bool threads : {true, false}) {
+          auto reference = make_model(2 * ranks);
+          auto pipe = v_pipe(stages, mpipe::ModelPipelineOptions()
+                                         .worker_threads(threads)
+                                         .checkpoint(checkpoint));
+          const std::string what = std::string(mpipe::to_string(schedule)) + " on the V, " +
+                                   std::to_string(m) + " micro-batches, checkpoint " +
+                                   std::to_string(static_cast<int>(checkpoint)) +
+                                   (threads ? ", threads" : ", inline");
+          auto step = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(schedule);
+          if (schedule == mpipe::Schedule::Tailored) step.stage_costs({{1, 2, 1, 2}});
+          const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
+                                                   holds_last ? y : at::Tensor(), mse, step);
+          const at::Tensor want = mse(plain(reference, x), y);
+          want.backward();
+          if (holds_last) {
+            expect_close(loss, want.detach(), what + ": loss");
+          } else {
+            EXPECT_FALSE(loss.defined()) << what;
+          }
+          for (size_t k = 0; k < mine.size(); ++k) {
+            const auto got = pipe->stage(k)->parameters();
+            const auto ref = reference[static_cast<size_t>(mine[k])]->parameters();
+            for (size_t p = 0; p < got.size(); ++p) {
+              expect_close(got[p].grad(), ref[p].grad(),
+                           what + ", stage " + std::to_string(mine[k]) + ", parameter " +
+                               std::to_string(p));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Wrong stage numbers fail the first call on every rank, naming the rank, and
+// the group serves the next pipeline.
+TEST(Distributed, WrongStageNumbersAreReportedOnEveryRank) {
+  if (skip_unless_one_replica()) GTEST_SKIP() << "replicated world";
+  const int64_t ranks = group().pipeline_size(), p = group().pipeline_rank();
+  const auto stages = make_model(2 * ranks);
+  const at::Tensor x = input(4);
+  struct Case {
+    std::vector<int64_t> numbers;  // this rank's
+    std::vector<int64_t> append;   // which stages it appends
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      // Every rank claims stages p and p + 1: stage 1 twice.
+      {{p, p + 1}, {p, p + 1}, "is numbered by both"},
+      // Descending numbers on the last rank.
+      {p + 1 == ranks ? std::vector<int64_t>{2 * ranks - 1 - p, p} : group().v_stages(2 * ranks),
+       group().v_stages(2 * ranks), "they must ascend"},
+      // Rank 0 without stage 0: the V mirrored.
+      {{ranks - 1 - p, ranks + p}, {ranks - 1 - p, ranks + p}, "pipeline rank 0 holds it"},
+      // Only rank 0 numbers its stages.
+      {p == 0 ? group().v_stages(2 * ranks) : std::vector<int64_t>{},
+       group().v_stages(2 * ranks), "every rank sets them or none does"},
+      // More numbers than stages on the last rank.
+      {p + 1 == ranks ? std::vector<int64_t>{p, 2 * ranks - 1 - p, 2 * ranks}
+                      : group().v_stages(2 * ranks),
+       group().v_stages(2 * ranks), "are not as many as the stages it appended"},
+  };
+  for (const auto& c : cases) {
+    mpipe::ModelPipeline pipe(
+        mpipe::ModelPipelineOptions().process_group(group()).stage_numbers(c.numbers));
+    for (int64_t s : c.append) pipe->append(copy(stages[static_cast<size_t>(s)]), "cpu");
+    torch::NoGradGuard no_grad;
+    try {
+      pipe->forward(group().is_first() ? x : at::Tensor(), 2);
+      ADD_FAILURE() << "no error for " << c.message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(c.message), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+  EXPECT_THROW(group().v_stages(2 * ranks + 1), c10::Error);
+  // The group still carries a good pipeline.
+  auto pipe = make_pipe(stages);
+  torch::NoGradGuard no_grad;
+  const at::Tensor out = pipe->forward(group().is_first() ? x : at::Tensor(), 2);
+  if (group().is_last()) expect_close(out, plain(stages, x), "after the wrong numbers");
 }
 
 /// A TorchScript nn.Sequential of `n` blocks b0, b1, ... (Linear(6, 6) + Tanh,

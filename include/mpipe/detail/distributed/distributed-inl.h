@@ -102,28 +102,22 @@ MPIPE_FUNC int64_t env_int(const char* name) {
 }
 
 
-MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
-                                                      int64_t pipeline_id, int64_t mine) {
-  // Every rank sends its count to every other rank of the world and waits
-  // for theirs, each with the group's timeout: unlike one collective, that
-  // names the ranks that never came (stalled before the pipeline's first
-  // call). Every rank connects its pipelines in the same order; the tag is
-  // the pipeline's, offset past the calls' tags. (The store would do too,
-  // but its locks are taken inside LibTorch, where ThreadSanitizer cannot
-  // see them.)
-  Impl& g = *group_impl(group);
-  const std::string broken = g.broken_reason();
-  TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
-              "restart every rank");
-  const int tag = static_cast<int>((int64_t{1} << 24) + pipeline_id);
+/// Sends `mine` to every other rank of the world and receives theirs, rank
+/// r's holding `sizes[r]` longs (none sent or received where that is 0), each
+/// wait bounded by the group's timeout. Returns them by world rank.
+MPIPE_FUNC std::vector<at::Tensor> exchange_longs(Impl& g, int tag, const at::Tensor& mine,
+                                                  const std::vector<int64_t>& sizes) {
   std::vector<at::Tensor> got(static_cast<size_t>(g.world));
+  got[static_cast<size_t>(g.rank)] = mine;
   std::vector<c10::intrusive_ptr<c10d::Work>> sends, receives(static_cast<size_t>(g.world));
-  const at::Tensor count = at::full({1}, mine, at::kLong);
   for (int64_t r = 0; r < g.world; ++r) {
     if (r == g.rank) continue;
-    std::vector<at::Tensor> out{count};
-    sends.push_back(g.comm->world->send(out, static_cast<int>(r), tag));
-    got[static_cast<size_t>(r)] = at::empty({1}, at::kLong);
+    if (mine.numel() > 0) {
+      std::vector<at::Tensor> out{mine};
+      sends.push_back(g.comm->world->send(out, static_cast<int>(r), tag));
+    }
+    got[static_cast<size_t>(r)] = at::empty({sizes[static_cast<size_t>(r)]}, at::kLong);
+    if (sizes[static_cast<size_t>(r)] == 0) continue;
     std::vector<at::Tensor> in{got[static_cast<size_t>(r)]};
     receives[static_cast<size_t>(r)] = g.comm->world->recv(in, static_cast<int>(r), tag);
   }
@@ -135,7 +129,7 @@ MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::Process
   };
   std::string missing, why_first;
   for (int64_t r = 0; r < g.world; ++r) {
-    if (r == g.rank) continue;
+    if (r == g.rank || !receives[static_cast<size_t>(r)]) continue;
     try {
       receives[static_cast<size_t>(r)]->wait(left());
     } catch (...) {
@@ -172,12 +166,37 @@ MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::Process
     g.break_group(why);
     TORCH_CHECK(false, why);
   }
-  std::vector<int64_t> counts;
+  return got;
+}
+
+MPIPE_FUNC std::vector<std::vector<int64_t>> exchange_stages(const distributed::ProcessGroup& group,
+                                                             int64_t pipeline_id,
+                                                             const std::vector<int64_t>& mine) {
+  // Every rank sends its stage count, then its stages' numbers, to every
+  // other rank of the world and waits for theirs, each with the group's
+  // timeout: unlike one collective, that names the ranks that never came
+  // (stalled before the pipeline's first call). Every rank connects its
+  // pipelines in the same order; the tags are the pipeline's, offset past the
+  // calls' tags. (The store would do too, but its locks are taken inside
+  // LibTorch, where ThreadSanitizer cannot see them.)
+  Impl& g = *group_impl(group);
+  const std::string broken = g.broken_reason();
+  TORCH_CHECK(broken.empty(), "the process group failed in an earlier call (", broken, "); "
+              "restart every rank");
+  const int tag = static_cast<int>((int64_t{1} << 24) + pipeline_id);
+  const auto n = static_cast<int64_t>(mine.size());
+  const auto counts = exchange_longs(g, tag, at::full({1}, n, at::kLong),
+                                     std::vector<int64_t>(static_cast<size_t>(g.world), 1));
+  std::vector<int64_t> sizes;
+  for (const auto& c : counts) sizes.push_back(c.item<int64_t>());
+  const at::Tensor numbers = at::tensor(c10::ArrayRef<int64_t>(mine), at::kLong);
+  const auto lists = exchange_longs(g, tag + (1 << 23), numbers, sizes);
+  std::vector<std::vector<int64_t>> out;
   for (int64_t p = 0; p < g.pipeline_size(); ++p) {
-    const int64_t r = g.world_rank(p);
-    counts.push_back(r == g.rank ? mine : got[static_cast<size_t>(r)].item<int64_t>());
+    const at::Tensor t = lists[static_cast<size_t>(g.world_rank(p))].contiguous();
+    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
   }
-  return counts;
+  return out;
 }
 
 MPIPE_FUNC int64_t next_pipeline_id(const distributed::ProcessGroup& group) {

@@ -21,8 +21,8 @@ MPIPE_FUNC std::unique_ptr<Link> open_link(const distributed::ProcessGroup&, int
                                            LinkHandlers) {
   unavailable();
 }
-MPIPE_FUNC std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup&, int64_t,
-                                                      int64_t) {
+MPIPE_FUNC std::vector<std::vector<int64_t>> exchange_stages(const distributed::ProcessGroup&,
+                                                             int64_t, const std::vector<int64_t>&) {
   unavailable();
 }
 MPIPE_FUNC int64_t next_pipeline_id(const distributed::ProcessGroup&) { unavailable(); }

@@ -54,6 +54,13 @@ MPIPE_FUNC std::pair<int64_t, int64_t> ProcessGroup::stage_range(int64_t n_stage
   return {first, first + base + (p < extra ? 1 : 0)};
 }
 
+MPIPE_FUNC std::vector<int64_t> ProcessGroup::v_stages(int64_t n_stages) const {
+  const int64_t s = pipeline_size(), p = pipeline_rank();
+  TORCH_CHECK(n_stages == 2 * s, "mpipe::distributed::ProcessGroup::v_stages: the V places 2 "
+              "stages on each of the ", s, " pipeline ranks (", 2 * s, " stages), got ", n_stages);
+  return {p, n_stages - 1 - p};
+}
+
 MPIPE_FUNC std::string ProcessGroup::rank_path(const std::string& path) const {
   const std::string tag = ".rank" + std::to_string(rank());
   const auto slash = path.find_last_of('/');

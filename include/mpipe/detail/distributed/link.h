@@ -79,12 +79,14 @@ int64_t debug_chaos_seed();
 std::unique_ptr<Link> open_link(const distributed::ProcessGroup& group, int64_t pipeline_id,
                                 int64_t seq, LinkHandlers handlers);
 
-/// Every pipeline rank's stage count of pipeline `pipeline_id`, this rank's
-/// being `mine`: a message to and from every rank of the world, each waited
-/// for with the timeout, so that the error names the ranks that never came.
-/// Every rank calls it, in the same order, at each pipeline's first call.
-std::vector<int64_t> exchange_stage_counts(const distributed::ProcessGroup& group,
-                                           int64_t pipeline_id, int64_t mine);
+/// Every pipeline rank's stage numbers of pipeline `pipeline_id` (-1s where
+/// the rank did not declare them), this rank's being `mine`: messages to and
+/// from every rank of the world, each waited for with the timeout, so that
+/// the error names the ranks that never came. Every rank calls it, in the
+/// same order, at each pipeline's first call.
+std::vector<std::vector<int64_t>> exchange_stages(const distributed::ProcessGroup& group,
+                                                  int64_t pipeline_id,
+                                                  const std::vector<int64_t>& mine);
 
 /// A new pipeline's id on `group` (pipelines get them in construction order).
 int64_t next_pipeline_id(const distributed::ProcessGroup& group);

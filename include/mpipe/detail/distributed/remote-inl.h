@@ -146,17 +146,21 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
   return c;
 }
 
-MPIPE_FUNC int64_t Layout::rank_of(int64_t stage) const {
-  int64_t r = 0;
-  while (r + 1 < static_cast<int64_t>(first.size()) && first[static_cast<size_t>(r + 1)] <= stage) ++r;
-  return r;
+MPIPE_FUNC std::string Layout::ranks_stages(int64_t p) const {
+  const auto& mine = stages[static_cast<size_t>(p)];
+  if (mine.size() == 1) return c10::str("stage ", mine[0]);
+  if (mine.back() - mine.front() + 1 == static_cast<int64_t>(mine.size())) {
+    return c10::str("stages ", mine.front(), "-", mine.back());
+  }
+  std::string list;
+  for (int64_t s : mine) list += c10::str(list.empty() ? "" : ", ", s);
+  return "stages " + list;
 }
 
-MPIPE_FUNC std::string Layout::ranks_stages(int64_t p) const {
-  const int64_t a = first[static_cast<size_t>(p)];
-  const int64_t b = p + 1 < static_cast<int64_t>(first.size()) ? first[static_cast<size_t>(p + 1)]
-                                                                : n_stages;
-  return b - a == 1 ? c10::str("stage ", a) : c10::str("stages ", a, "-", b - 1);
+MPIPE_FUNC int64_t Layout::hops_before(int64_t stage) const {
+  int64_t hops = 0;
+  for (int64_t s = 1; s <= stage && s < n_stages; ++s) hops += rank_of(s) != rank_of(s - 1);
+  return hops;
 }
 
 MPIPE_FUNC RemoteCall::RemoteCall(const distributed::ProcessGroup& group, const Layout& layout,
@@ -253,9 +257,9 @@ MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
 }
 
 MPIPE_FUNC std::unique_ptr<Transport> RemoteCall::attach(
-    LocalTransport& local, int64_t first, int64_t end, SkipTable* skips,
+    LocalTransport& local, const StageMap& map, SkipTable* skips,
     std::function<void(std::exception_ptr)> fail) {
-  auto owned = std::make_unique<RemoteTransport>(local, *this, first, end, skips, std::move(fail));
+  auto owned = std::make_unique<RemoteTransport>(local, *this, map, skips, std::move(fail));
   RemoteTransport* transport = owned.get();
   if (chaos_on_) {  // the debug hook: a late attach (Note [Message addresses])
     std::unique_lock<std::mutex> lock(mutex_);

@@ -49,10 +49,14 @@ int64_t method_code(const char* method);
 
 /// Where a pipeline's stages live across its ranks.
 struct Layout {
-  std::vector<int64_t> first;  // per pipeline rank: its first global stage
-  int64_t n_stages = 0;        // in the whole pipeline
-  int64_t rank_of(int64_t stage) const;
-  std::string ranks_stages(int64_t pipeline_rank) const;  // "stage 3" / "stages 3-5"
+  std::vector<std::vector<int64_t>> stages;  // per pipeline rank: its global stages, ascending
+  std::vector<int64_t> owner;                // per global stage: its pipeline rank
+  int64_t n_stages = 0;                      // in the whole pipeline
+  int64_t rank_of(int64_t stage) const { return owner[static_cast<size_t>(stage)]; }
+  /// "stage 3" / "stages 3-5" / "stages 0, 7"
+  std::string ranks_stages(int64_t pipeline_rank) const;
+  /// The hand-offs between ranks on the way from stage 0 to `stage`.
+  int64_t hops_before(int64_t stage) const;
 };
 
 class RemoteTransport;
@@ -68,8 +72,9 @@ class RemoteCall : public CallLink {
   const distributed::ProcessGroup& group() const { return group_; }
   const Layout& layout() const { return layout_; }
   int64_t pipeline_rank() const { return group_.pipeline_rank(); }
-  bool first() const { return group_.is_first(); }
-  bool last() const { return group_.is_last(); }
+  bool first() const { return group_.is_first(); }  // holds stage 0, reads the inputs
+  /// Holds the last stage: gets the outputs or the loss.
+  bool last() const { return layout_.rank_of(layout_.n_stages - 1) == pipeline_rank(); }
 
   /// The first rank: tells every other rank what the call is.
   void announce(const CallInfo& info);
@@ -81,8 +86,7 @@ class RemoteCall : public CallLink {
   /// executor runs it. A peer's messages that arrive before attach are kept
   /// and handed to it then; after detach, what still comes is dropped (Note
   /// [Message addresses]).
-  std::unique_ptr<Transport> attach(LocalTransport& local, int64_t first, int64_t end,
-                                    SkipTable* skips,
+  std::unique_ptr<Transport> attach(LocalTransport& local, const StageMap& map, SkipTable* skips,
                                     std::function<void(std::exception_ptr)> fail) override;
   void detach() override;
 
@@ -119,12 +123,12 @@ class RemoteCall : public CallLink {
   std::vector<std::string> failures_;  // every one
 };
 
-/// Stages [first, end) of this process; the others are remote (Note
+/// The stages `map` names are this process's; the others are remote (Note
 /// [Cross-process calls]).
 class RemoteTransport : public Transport {
  public:
-  RemoteTransport(LocalTransport& local, RemoteCall& call, int64_t first, int64_t end,
-                  SkipTable* skips, std::function<void(std::exception_ptr)> fail);
+  RemoteTransport(LocalTransport& local, RemoteCall& call, const StageMap& map, SkipTable* skips,
+                  std::function<void(std::exception_ptr)> fail);
 
   void send(int64_t from, int64_t to, const Key& key, Tensors values) override;
   Tensors receive(int64_t to, const Key& key) override { return local_.receive(to, key); }
@@ -135,12 +139,12 @@ class RemoteTransport : public Transport {
   void peer_failed(const std::string& why) { local_.fail(why); }
 
  private:
-  bool local(int64_t stage) const { return stage >= first_ && stage < end_; }
+  bool local(int64_t stage) const { return map_.holds(stage); }
   void post(int64_t from, int64_t to, const Key& key, const Tensors& values);
 
   LocalTransport& local_;
   RemoteCall& call_;
-  const int64_t first_, end_;
+  const StageMap& map_;
   SkipTable* skips_;  // null: the call has no skips
   std::function<void(std::exception_ptr)> fail_;
   std::mutex mutex_;  // guards partial_

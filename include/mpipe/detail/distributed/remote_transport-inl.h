@@ -24,10 +24,10 @@
 namespace mpipe {
 namespace detail {
 
-MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& call, int64_t first,
-                                            int64_t end, SkipTable* skips,
+MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& call,
+                                            const StageMap& map, SkipTable* skips,
                                             std::function<void(std::exception_ptr)> fail)
-    : local_(local), call_(call), first_(first), end_(end), skips_(skips), fail_(std::move(fail)) {
+    : local_(local), call_(call), map_(map), skips_(skips), fail_(std::move(fail)) {
   // Who a receive of `key` by stage `to` waits on: the stage before (inputs,
   // skips) or after (gradients); -1 when that is not known here.
   auto producer = [](int64_t to, const Key& key) -> int64_t {
@@ -36,14 +36,19 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
     return -1;
   };
   // The rank a receive waits on: the producer's, or for a skip (its
-  // stasher is not known here) the nearest rank on the side it comes from.
+  // stasher is not known here) the rank of the nearest earlier stage that is
+  // not this rank's.
   local_.sender_of = [this, producer](int64_t to, const Key& key) -> std::string {
     const Layout& l = call_.layout();
     const int64_t from = producer(to, key);
-    const int64_t p = call_.pipeline_rank();
-    const int64_t rank = from >= 0 && from < l.n_stages ? l.rank_of(from)
-                         : key.kind == Key::Skip        ? p - 1
-                                                        : p + 1;
+    int64_t rank = -1;
+    if (from >= 0 && from < l.n_stages) {
+      rank = l.rank_of(from);
+    } else if (key.kind == Key::Skip) {
+      for (int64_t s = std::min(to, l.n_stages) - 1; s >= 0 && rank < 0; --s) {
+        if (!map_.holds(s)) rank = l.rank_of(s);
+      }
+    }
     if (rank < 0 || rank >= call_.group().pipeline_size()) return "another rank";
     const std::string world = c10::str("rank ", detail::group_impl(call_.group())->world_rank(rank));
     return from >= 0 && from < l.n_stages ? c10::str(world, " (stage ", from, ")") : world;
@@ -51,15 +56,20 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
   // A stall upstream leaves every later rank waiting for inputs, one behind
   // the other; downstream, every earlier rank waiting for gradients. The rank
   // next to the stalled one should time out first and name it, so waits grow
-  // by half a second per rank away from it (Note [Cross-process calls]). A
+  // by half a second per hand-off between ranks away from it, at most one
+  // per other rank (Note [Cross-process calls]). A
   // receive from a stage of this rank waits without a timeout: that stage
   // either delivers or fails the call (its own receive times out, or another
   // rank's Abort arrives), and it is not the one to name.
   local_.patience = [this, producer](int64_t to, const Key& key) {
     const int64_t from = producer(to, key);
-    if (from >= first_ && from < end_) return std::chrono::milliseconds(0);
-    const int64_t p = call_.pipeline_rank(), s = call_.group().pipeline_size();
-    const int64_t steps = key.kind == Key::Activation || key.kind == Key::Skip ? p : s - 1 - p;
+    if (map_.holds(from)) return std::chrono::milliseconds(0);
+    const Layout& l = call_.layout();
+    const int64_t at = std::min(std::max<int64_t>(to, 0), l.n_stages - 1);
+    const int64_t hops = key.kind == Key::Activation || key.kind == Key::Skip
+                             ? l.hops_before(at)
+                             : l.hops_before(l.n_stages - 1) - l.hops_before(at);
+    const int64_t steps = std::min(hops, call_.group().pipeline_size() - 1);
     return call_.group().timeout() + std::chrono::milliseconds(500 * steps);
   };
 }

@@ -133,15 +133,12 @@ MPIPE_FUNC CallInfo train_step_info(const PipelineView& p, const std::vector<Inp
     return c;
   }
   std::vector<int64_t> labels = p.stages.device_labels();
-  if (p.distributed()) {  // every process its own device, apart from this rank's stages
-    const int64_t first = p.executor.first_stage();
+  if (p.distributed()) {  // this rank's stages on their devices, every other rank on one
+    const StageMap& map = p.executor.stage_map();
     const auto mine = labels;
     labels.clear();
     for (int64_t s = 0; s < n_stages; ++s) {
-      const int64_t local = s - first;
-      labels.push_back(local >= 0 && local < static_cast<int64_t>(mine.size())
-                           ? first + mine[static_cast<size_t>(local)]
-                           : s);
+      labels.push_back(map.holds(s) ? mine[map.at(s)] : n_stages + p.group.layout().rank_of(s));
     }
   }
   if (step.schedule() != Schedule::Auto && step.schedule() != Schedule::Tailored) {

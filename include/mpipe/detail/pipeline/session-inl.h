@@ -101,7 +101,8 @@ MPIPE_FUNC Call::Call(PipelineParts& parts, const char* method)
       view_(parts.view()) {
   start_with_fresh_casts();  // Note [Autocast in the pipeline]
   if (view_.distributed()) {
-    remote_ = parts.group.open(method, parts.self.options.process_group(), parts.stages.devices,
+    remote_ = parts.group.open(method, parts.self.options.process_group(),
+                               parts.self.options.stage_numbers(), parts.stages.devices,
                                parts.executor, late_);
   }
 }
@@ -155,7 +156,7 @@ MPIPE_FUNC void Call::execute(CallSpec& spec, bool threaded) {
     // programs give the fill-drain (n - 1) / (m + n - 1)).
     recorder = std::make_shared<Recorder>(spec.method, spec.item_name, spec.n_items,
                                           parts_.stages.devices, schedules::bubble(spec.programs));
-    if (spec.training) recorder->describe_schedule(spec.schedule, schedules::stage_workers(spec.programs));
+    if (spec.training) recorder->describe_schedule(spec.schedule, spec.programs);
   }
   spec.recorder = recorder.get();
   parts_.executor.run(spec, parts_.stages.forwards, threaded);
@@ -293,11 +294,10 @@ MPIPE_FUNC at::Tensor scalar_loss(const LossFunction& loss_fn, const Tensors& ou
 }
 
 MPIPE_FUNC void check_checkpointable(const PipelineView& p, const char* method, bool except_last) {
-  const int64_t first = p.executor.first_stage(), last = p.n_stages() - 1;
   const auto& stateful = p.stages.stateful;
   for (size_t j = 0; j < stateful.size(); ++j) {
-    const int64_t stage = first + static_cast<int64_t>(j);
-    if (except_last && stage == last) continue;
+    const int64_t stage = p.executor.stage_map().global[j];
+    if (except_last && stage == p.n_stages() - 1) continue;
     for (const auto& m : stateful[j]) {
       TORCH_CHECK(m.state->supports_state_snapshots(), "mpipe::ModelPipeline::", method,
                   ": stage ", stage, " holds a stateful module without state snapshots: ", m.name,
@@ -318,7 +318,7 @@ MPIPE_FUNC int64_t fingerprint(const std::vector<schedules::Program>& programs) 
   for (size_t r = 0; r < programs.size(); ++r) {
     mix(-1 - static_cast<int64_t>(r));
     for (const auto& op : programs[r]) {
-      mix(static_cast<int64_t>(op.kind));
+      mix(static_cast<int64_t>(op.kind) + (op.with_next ? 16 : 0));
       mix(op.micro_batch);
       mix(op.stage);
     }
@@ -349,8 +349,9 @@ MPIPE_FUNC void check_schedule(const TrainStepOptions& step, int64_t n_stages) {
   TORCH_CHECK_VALUE(n_stages % v == 0, "mpipe::ModelPipeline::train_step: virtual_stages=", v,
                     " must divide the stage count, ", n_stages, " (stage s runs on worker s % (",
                     "n_stages / virtual_stages))");
-  TORCH_CHECK_VALUE(step.schedule() != Schedule::ZeroBubbleV || n_stages % 2 == 0, "mpipe::"
-                    "ModelPipeline::train_step: ZB-V needs an even number of stages, got ", n_stages);
+  const bool vee = step.schedule() == Schedule::ZeroBubbleV || step.schedule() == Schedule::DualPipeV;
+  TORCH_CHECK_VALUE(!vee || n_stages % 2 == 0, "mpipe::ModelPipeline::train_step: ",
+                    to_string(step.schedule()), " needs an even number of stages, got ", n_stages);
   const auto& costs = step.stage_costs();
   TORCH_CHECK_VALUE(costs.size() <= 1 || static_cast<int64_t>(costs.size()) == n_stages,
                     "mpipe::ModelPipeline::train_step: stage_costs has ", costs.size(),
@@ -396,5 +397,4 @@ MPIPE_FUNC void backward_through_caller(const Tensors& inputs, const Tensors& gr
 }
 
 }  // namespace detail
-
 }  // namespace mpipe

@@ -225,19 +225,22 @@ MPIPE_FUNC std::string Timeline::to_svg() const {
   for (const auto& t : tasks) {
     const double y0 = top + static_cast<double>(rank_of(t.stage)) * (row + gap);
     const bool copy = t.kind == TaskKind::Copy;
-    const double y = copy ? y0 + row * 0.7 : y0;
-    const double h = copy ? row * 0.3 : row;
+    // A pair's forward in the row's top half, its backward in the bottom half.
+    const bool lower = t.paired && t.kind != TaskKind::Forward;
+    const double y = copy ? y0 + row * 0.7 : lower ? y0 + row / 2 : y0;
+    const double h = copy ? row * 0.3 : t.paired ? row / 2 : row;
     const double x = x_of(t.start_ms);
     const double w = std::max(0.5, x_of(t.end_ms) - x);
     out << "<rect x=\"" << fixed(x, 2) << "\" y=\"" << fixed(y, 1) << "\" width=\"" << fixed(w, 2)
         << "\" height=\"" << fixed(h, 1) << "\" fill=\""
         << (copy ? std::string("#888") : colour(t.item, t.kind))
         << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << to_string(t.kind) << " of "
-        << escape(item_name) << " " << t.item << " on stage " << t.stage << ": "
+        << escape(item_name) << " " << t.item << " on stage " << t.stage
+        << (t.paired ? " (paired)" : "") << ": "
         << fixed(t.start_ms - t0, 3) << " - " << fixed(t.end_ms - t0, 3) << " ms</title></rect>\n";
     const std::string label = letter(t.kind) + std::to_string(t.item);
     if (!copy && w >= 7.5 * static_cast<double>(label.size()) + 4) {
-      out << "<text x=\"" << fixed(x + w / 2, 2) << "\" y=\"" << fixed(y + row / 2 + 4, 1)
+      out << "<text x=\"" << fixed(x + w / 2, 2) << "\" y=\"" << fixed(y + h / 2 + 4, 1)
           << "\" text-anchor=\"middle\" font-size=\"11\" fill=\""
           << (t.kind == TaskKind::Backward || t.kind == TaskKind::BackwardInput ||
                       t.kind == TaskKind::BackwardWeight

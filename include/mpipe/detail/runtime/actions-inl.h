@@ -178,7 +178,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
     const auto unpopped = run.skips.unpopped(i);
     if (unpopped.second >= 0) {
       const int64_t s = unpopped.second;
-      const bool here = s >= first_ && local(s) < stages_.size();  // else on another rank
+      const bool here = map_.holds(s);  // else on another rank
       try {
         TORCH_CHECK(false, "mpipe::ModelPipeline::", call.method, ": stage ", s,
                     here ? c10::str(" (on ", place(s).device, rank_, ")") : std::string(),
@@ -222,7 +222,7 @@ MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const c
   if (sv) {
     for (auto& t : out) t = t.detach();
   }
-  run.transport->send(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
+  run.hand_off(j, j + 1, Key{Key::Activation, i, {}}, std::move(out));
 }
 
 }  // namespace detail

@@ -271,12 +271,11 @@ MPIPE_FUNC void Executor::backward_action(Run& run, int64_t j, int64_t i, const 
     }
   }
   for (const auto& p : popped_grads) {
-    run.transport->send(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first},
-                        {p.second});
+    run.hand_off(j, sv.popped_from.at(p.first), Key{Key::SkipGradient, i, p.first}, {p.second});
   }
   span.reset();
   if (j > 0) {
-    run.transport->send(j, j - 1, Key{Key::Gradient, i, {}}, std::move(input_grads));
+    run.hand_off(j, j - 1, Key{Key::Gradient, i, {}}, std::move(input_grads));
   } else {
     call.input_grads[static_cast<size_t>(i)] = std::move(input_grads);
   }

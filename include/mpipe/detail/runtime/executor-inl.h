@@ -63,6 +63,11 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
   }
 
   stages_.push_back(stage);
+  if (!distributed_) {  // in one process, stage j is stage j
+    std::vector<int64_t> global = map_.global;
+    global.push_back(map_.n_total());
+    map_ = StageMap::of(global, map_.n_total() + 1);
+  }
 }
 
 // Note [Lanes]
@@ -152,14 +157,41 @@ MPIPE_FUNC void Executor::run_program(Run& run, const schedules::Program& progra
       if (on) clear_autocast_cache();
     }
   } clear_casts{run.autocast.any() && autocast_cache_per_thread()};
-  for (const schedules::Op& op : program) {
-    if (!run_action(run, op)) return;
+  for (size_t k = 0; k < program.size(); ++k) {
+    const bool pair = program[k].with_next && k + 1 < program.size();
+    if (!(pair ? run_pair(run, program[k], program[k + 1]) : run_action(run, program[k]))) return;
+    k += pair;
   }
 }
 
-MPIPE_FUNC void Executor::set_layout(int64_t first, int64_t n_total, std::string rank_note) {
-  first_ = first;
-  n_total_ = n_total;
+MPIPE_FUNC bool Executor::run_pair(Run& run, const schedules::Op& a, const schedules::Op& b) {
+  // Note [DualPipeV]: both operations' work issued, then their hand-offs.
+  std::vector<HeldHandOff> held;
+  t_held = &held;
+  const bool ran = run_action(run, a) && run_action(run, b);
+  t_held = nullptr;
+  if (!ran) return false;
+  size_t k = 0;
+  try {
+    for (; k < held.size(); ++k) {
+      HeldHandOff& h = held[k];
+      c10::OptionalStreamGuard on(place(h.from).compute);  // the sender's stream is current
+      run.transport->send(h.from, h.to, h.key, std::move(h.values));
+    }
+    return true;
+  } catch (const Aborted&) {
+    return false;
+  } catch (...) {
+    run.fail(describe_failure(*run.call, "handing on the result of micro-batch", held[k].from,
+                              held[k].key.item));
+    return false;
+  }
+}
+
+MPIPE_FUNC void Executor::set_layout(const std::vector<int64_t>& global, int64_t n_total,
+                                     std::string rank_note) {
+  map_ = StageMap::of(global, n_total);
+  distributed_ = true;
   rank_ = std::move(rank_note);
 }
 
@@ -169,6 +201,11 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   const auto n_local = static_cast<int64_t>(stages_.size());
   TORCH_INTERNAL_ASSERT(n_local > 0 && forwards.size() == stages_.size() && call.n_items > 0);
   TORCH_INTERNAL_ASSERT(call.remote || n_local == n_stages);
+  struct OwnHandOffs {  // a call from inside a pair's stage holds none of them back
+    std::vector<HeldHandOff>* outer = t_held;
+    OwnHandOffs() { t_held = nullptr; }
+    ~OwnHandOffs() { t_held = outer; }
+  } own_hand_offs;
   const auto n_ranks = static_cast<int64_t>(call.programs.size());
   TORCH_INTERNAL_ASSERT(n_ranks > 0 && n_ranks <= n_stages);
   schedules::validate(call.programs, n_stages, call.n_items, call.training);
@@ -178,14 +215,15 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   }
   // Across processes, each program keeps the operations of this process's
   // stages (Note [Cross-process calls]).
-  auto mine = [&](const schedules::Op& op) {
-    return op.stage >= first_ && op.stage < first_ + n_local;
-  };
+  // A pair whose second operation is another process's is no pair here.
+  auto mine = [&](const schedules::Op& op) { return map_.holds(op.stage); };
   std::vector<schedules::Program> programs;
   for (const auto& program : call.programs) {
     schedules::Program kept;
-    for (const auto& op : program) {
-      if (mine(op)) kept.push_back(op);
+    for (size_t k = 0; k < program.size(); ++k) {
+      if (!mine(program[k])) continue;
+      kept.push_back(program[k]);
+      kept.back().with_next &= k + 1 < program.size() && mine(program[k + 1]);
     }
     programs.push_back(std::move(kept));
   }
@@ -199,7 +237,7 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   // would only add hand-offs between them.
   if (call.n_items == 1 && !call.remote) threaded = false;
   run->local = std::make_unique<LocalTransport>(
-      stages_, first_, threaded || call.remote != nullptr, call.recorder,
+      stages_, map_, threaded || call.remote != nullptr, call.recorder,
       call.remote ? call.remote->timeout() : std::chrono::milliseconds(0));
   run->transport = run->local.get();
   const bool lanes = call.lanes > 1 && !call.training && !call.remote;
@@ -241,7 +279,7 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   } detach{call.remote};
   if (call.remote) {
     run->remote = call.remote->attach(
-        *run->local, first_, first_ + n_local, &run->skips,
+        *run->local, map_, &run->skips,
         [r = run.get()](std::exception_ptr e) { r->fail(std::move(e)); });
     run->transport = run->remote.get();
   }
@@ -281,13 +319,13 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
       run->cast_grads[j]->flush();
     } catch (...) {
       run->error = describe_failure(call, "summing the cast weights' gradients after micro-batch",
-                                    first_ + static_cast<int64_t>(j), call.n_items - 1);
+                                    map_.global[j], call.n_items - 1);
     }
   }
   // The step's loss, on the last stage's stream, in item order: the join
   // below makes it the caller's too.
   call.loss_sum = at::Tensor();
-  if (call.training && !run->error && first_ + n_local == n_stages) {
+  if (call.training && !run->error && map_.holds(n_stages - 1)) {
     try {
       c10::OptionalStreamGuard last_stage(stages_.back().compute);
       for (const auto& l : call.losses) {

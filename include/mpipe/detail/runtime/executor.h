@@ -171,13 +171,12 @@ class Executor {
 
   /// Prepares streams for a stage appended on `device`.
   void add_stage(c10::Device device);
-  /// Across processes: this process's stages are global stages [first, first
-  /// + count) of `n_total`; `rank_note` (", rank 1") goes into error messages.
-  void set_layout(int64_t first, int64_t n_total, std::string rank_note);
-  int64_t first_stage() const { return first_; }
-  int64_t n_total() const {
-    return n_total_ > 0 ? n_total_ : static_cast<int64_t>(stages_.size());
-  }
+  /// Across processes: this process's stages are global stages `global`
+  /// (ascending) of `n_total`; `rank_note` (", rank 1") goes into error messages.
+  void set_layout(const std::vector<int64_t>& global, int64_t n_total, std::string rank_note);
+  /// Which stages this process holds, by global number.
+  const StageMap& stage_map() const { return map_; }
+  int64_t n_total() const { return map_.n_total(); }
   const std::vector<StagePlace>& stages() const { return stages_; }
   /// Stage `stage`'s compute stream (none for CPU stages).
   c10::optional<c10::Stream> compute_stream(size_t stage) const { return stages_[stage].compute; }
@@ -209,6 +208,9 @@ class Executor {
   /// (here or elsewhere) and the stage must stop.
   bool run_action(Run& run, const schedules::Op& op);
   void run_program(Run& run, const schedules::Program& program);
+  /// A pair (Op::with_next): `a`, then `b`, then both's hand-offs (Note
+  /// [DualPipeV]); false as run_action.
+  bool run_pair(Run& run, const schedules::Op& a, const schedules::Op& b);
   /// Inside a catch block: the current exception as a c10::Error naming the
   /// call, the stage, its device, the phase and the item.
   std::exception_ptr describe_failure(const CallSpec& call, const char* phase, int64_t stage,
@@ -220,11 +222,11 @@ class Executor {
   c10::optional<c10::Stream> stream_for(const CallSpec& call, int64_t stage, int64_t item) const;
   /// Makes `k` - 1 lane streams for every CUDA stage (Note [Lanes]).
   void ensure_lanes(int64_t k);
-  size_t local(int64_t stage) const { return static_cast<size_t>(stage - first_); }
+  size_t local(int64_t stage) const { return map_.at(stage); }
 
   std::vector<StagePlace> stages_;
-  int64_t first_ = 0;
-  int64_t n_total_ = 0;  // 0: the local stages are all
+  StageMap map_;            // every stage, until set_layout
+  bool distributed_ = false;  // set_layout was called
   std::string rank_;
 };
 

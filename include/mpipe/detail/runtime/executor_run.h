@@ -49,6 +49,15 @@ inline at::Tensor grad_of(const at::Tensor& leaf) {
   return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
 }
 
+/// A hand-off held back while this thread runs a pair of operations
+/// (Op::with_next, Note [DualPipeV]): sent once both ran.
+struct HeldHandOff {
+  int64_t from, to;
+  Key key;
+  Tensors values;
+};
+MPIPE_INLINE_VAR thread_local std::vector<HeldHandOff>* t_held = nullptr;
+
 /// An error that already says what happened and where: run_action reports it
 /// as it is instead of as a failure of the action that found it.
 struct DescribedFailure {
@@ -99,6 +108,16 @@ struct Executor::Run {
     }
     failed.store(true, std::memory_order_release);
     transport->abort();
+  }
+
+  /// Stage `from` hands `values` to stage `to`, now or, inside a pair, once
+  /// the pair ran (Executor::run_pair).
+  void hand_off(int64_t from, int64_t to, const Key& key, Tensors values) {
+    if (t_held) {
+      t_held->push_back(HeldHandOff{from, to, key, std::move(values)});
+    } else {
+      transport->send(from, to, key, std::move(values));
+    }
   }
 
   /// The caller's tensors made usable by stage `to`.

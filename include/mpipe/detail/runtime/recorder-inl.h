@@ -83,6 +83,11 @@ MPIPE_FUNC Timeline Recorder::finish() {
       e.task.start_ms = elapsed_ms(origin, *e.start);
       e.task.end_ms = elapsed_ms(origin, *e.end);
     }
+    for (const auto& op : paired_) {
+      const auto kind = static_cast<int>(op.kind);  // F, B, I: the TaskKinds of the same number
+      e.task.paired |= op.stage == e.task.stage && op.micro_batch == e.task.item &&
+                       kind == static_cast<int>(e.task.kind);
+    }
     out.tasks.push_back(e.task);
   }
   return out;

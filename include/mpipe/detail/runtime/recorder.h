@@ -4,6 +4,7 @@
 
 #include "mpipe/detail/cuda/device_probe.h"
 
+#include "mpipe/schedule.h"
 #include "mpipe/timeline.h"
 
 #include <c10/core/Stream.h>
@@ -32,10 +33,18 @@ class Recorder {
                const c10::optional<c10::Stream>& stream);
   void end(size_t index, const c10::optional<c10::Stream>& stream);
 
-  /// Names the schedule and the worker of each stage (before any task).
-  void describe_schedule(std::string name, std::vector<int64_t> stage_ranks) {
+  /// Names the schedule, the worker of each stage and the paired operations
+  /// (Op::with_next) of its `programs` (before any task).
+  void describe_schedule(std::string name, const std::vector<schedules::Program>& programs) {
     timeline_.schedule = std::move(name);
-    timeline_.stage_ranks = std::move(stage_ranks);
+    timeline_.stage_ranks = schedules::stage_workers(programs);
+    for (const auto& p : programs) {
+      for (size_t k = 0; k + 1 < p.size(); ++k) {
+        if (!p[k].with_next) continue;
+        paired_.push_back(p[k]);
+        paired_.push_back(p[k + 1]);
+      }
+    }
   }
 
   /// The recorded timeline; waits for the device events it needs.
@@ -55,6 +64,7 @@ class Recorder {
   Clock::time_point t0_;
   std::map<std::string, std::shared_ptr<TimingEvent>> origins_;  // by device.str()
   std::vector<Entry> entries_;
+  std::vector<schedules::Op> paired_;
 };
 
 /// The timeline of a pipeline's last recorded call: kept as its recorder

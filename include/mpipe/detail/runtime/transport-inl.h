@@ -13,11 +13,11 @@
 namespace mpipe {
 namespace detail {
 
-MPIPE_FUNC LocalTransport::LocalTransport(const std::vector<StagePlace>& stages, int64_t first,
-                                          bool blocking, Recorder* recorder,
+MPIPE_FUNC LocalTransport::LocalTransport(const std::vector<StagePlace>& stages,
+                                          const StageMap& map, bool blocking, Recorder* recorder,
                                           std::chrono::milliseconds timeout)
     : stages_(stages),
-      first_(first),
+      map_(map),
       blocking_(blocking),
       recorder_(recorder),
       timeout_(timeout),

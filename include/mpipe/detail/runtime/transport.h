@@ -37,6 +37,29 @@ struct StagePlace {
   std::vector<c10::Stream> lanes;
 };
 
+/// Which of the pipeline's stages this process holds: all of them in one
+/// process; across processes, those the ranks agreed on at the first call
+/// (Note [Cross-process calls]), local index j being global stage global[j].
+struct StageMap {
+  std::vector<int64_t> global;  // by local index, ascending
+  std::vector<int64_t> local;   // by global stage: its local index, or -1 (another rank's)
+  /// Local stages `global` (ascending) of `n_total`.
+  static StageMap of(const std::vector<int64_t>& global, int64_t n_total) {
+    StageMap m;
+    m.global = global;
+    m.local.assign(static_cast<size_t>(n_total), -1);
+    for (size_t j = 0; j < global.size(); ++j) {
+      m.local[static_cast<size_t>(global[j])] = static_cast<int64_t>(j);
+    }
+    return m;
+  }
+  int64_t n_total() const { return static_cast<int64_t>(local.size()); }
+  bool holds(int64_t stage) const {
+    return stage >= 0 && stage < n_total() && local[static_cast<size_t>(stage)] >= 0;
+  }
+  size_t at(int64_t stage) const { return static_cast<size_t>(local[static_cast<size_t>(stage)]); }
+};
+
 /// What is being moved: an item's activations (to the next stage), the
 /// gradients of a stage's inputs (to the previous stage), a stashed skip tensor
 /// (to the stage that pops it) or a skip's gradient (back to the stasher).
@@ -79,12 +102,12 @@ class Transport {
 /// Stages in one process: per-stage streams, events and record_stream.
 class LocalTransport : public Transport {
  public:
-  /// `stages` are global stages first, first + 1, ... (first > 0 when other
-  /// ranks hold the stages before). `blocking`: receive waits for a send
+  /// `stages` are the global stages `map` names (all of them in one process).
+  /// `blocking`: receive waits for a send
   /// (threaded calls, and calls across processes); otherwise the schedule's
   /// order guarantees that it came first. A blocking receive gives up after
   /// `timeout` (0: never). Copies are recorded on `recorder` when it is set.
-  LocalTransport(const std::vector<StagePlace>& stages, int64_t first, bool blocking,
+  LocalTransport(const std::vector<StagePlace>& stages, const StageMap& map, bool blocking,
                  Recorder* recorder, std::chrono::milliseconds timeout = {});
 
   void send(int64_t from, int64_t to, const Key& key, Tensors values) override;
@@ -129,14 +152,14 @@ class LocalTransport : public Transport {
     int64_t from = -1;                  // the sending stage
   };
   const StagePlace& place(int64_t stage) const {
-    return stages_[static_cast<size_t>(stage - first_)];
+    return stages_[map_.at(stage)];
   }
-  size_t slot(int64_t to) const { return static_cast<size_t>(to - first_); }
+  size_t slot(int64_t to) const { return map_.at(to); }
   at::Tensor move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready, int64_t to,
                   int64_t item) const;
 
   const std::vector<StagePlace>& stages_;
-  const int64_t first_;
+  const StageMap& map_;
   const bool blocking_;
   Recorder* const recorder_;
   const std::chrono::milliseconds timeout_;
@@ -159,10 +182,10 @@ class CallLink {
   virtual ~CallLink() = default;
   /// How long a stage waits for another rank's message (0: no limit).
   virtual std::chrono::milliseconds timeout() const = 0;
-  /// The call's transport, around `local` (this process's stages [first,
-  /// end)), attached once per call: messages that came before it are handed
-  /// to it now. `fail` ends the executor's run.
-  virtual std::unique_ptr<Transport> attach(LocalTransport& local, int64_t first, int64_t end,
+  /// The call's transport, around `local` (this process's stages, `map`),
+  /// attached once per call: messages that came before it are handed to it
+  /// now. `fail` ends the executor's run.
+  virtual std::unique_ptr<Transport> attach(LocalTransport& local, const StageMap& map,
                                             SkipTable* skips,
                                             std::function<void(std::exception_ptr)> fail) = 0;
   /// The transport stops receiving; what still comes is dropped. Waits out

@@ -53,6 +53,29 @@ inline void validate(const std::vector<Program>& programs, int64_t n_stages, int
       bits |= bit;
     }
   }
+  // Pairs (Op::with_next, Note [DualPipeV]): a forward and a backward of
+  // other stages and micro-batches, neither of which waits for the other.
+  for (size_t r = 0; r < programs.size(); ++r) {
+    const Program& p = programs[r];
+    for (size_t k = 0; k < p.size(); ++k) {
+      if (!p[k].with_next) continue;
+      const std::string where = c10::str(p[k]) + " on rank " + std::to_string(r);
+      if (k + 1 == p.size()) fail(where + ": pairs with nothing (it ends its program)");
+      const Op& a = p[k];
+      const Op& b = p[k + 1];
+      auto back = [](OpKind kind) {
+        return kind == OpKind::Backward || kind == OpKind::BackwardInput;
+      };
+      if (!(a.kind == OpKind::Forward ? back(b.kind) : back(a.kind) && b.kind == OpKind::Forward)) {
+        fail(where + " " + c10::str(b) + ": a pair is a forward and a backward (B or I)");
+      }
+      if (a.stage == b.stage || a.micro_batch == b.micro_batch) {
+        fail(where + " " + c10::str(b) + ": a pair's operations work on two stages and two "
+             "micro-batches");
+      }
+      if (b.with_next) fail(where + " " + c10::str(b) + ": pairs do not chain");
+    }
+  }
   for (size_t s = 0; s < n; ++s) {
     for (size_t i = 0; i < m; ++i) {
       const int bits = seen[s][i];

@@ -1,0 +1,226 @@
+// DualPipeV (Note [DualPipeV]): its programs as a pure function (the V, the
+// pairs, makespan and peak memory against the DualPipe README's table),
+// validate's rules for pairs, and the runtime running them equal to the plain
+// model and to GPipe bit for bit, threaded and inline, with checkpointing.
+
+#include "common.h"
+
+#include <mpipe/mpipe.h>
+
+#include <map>
+#include <tuple>
+
+using namespace mpipe_test;
+using mpipe::Checkpoint;
+using mpipe::ModelPipeline;
+using mpipe::ModelPipelineOptions;
+using mpipe::Schedule;
+using mpipe::TrainStepOptions;
+namespace sch = mpipe::schedules;
+
+namespace {
+
+std::vector<sch::Program> dualpipe_v(int64_t m, int64_t d) {
+  return mpipe::programs_for(Schedule::DualPipeV, m, 2 * d);
+}
+
+int64_t count_pairs(const std::vector<sch::Program>& programs) {
+  int64_t n = 0;
+  for (const auto& p : programs) {
+    for (const auto& op : p) n += op.with_next;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST(DualPipeV, RunsOnTheVAndPairsForwardsWithBackwards) {
+  EXPECT_STREQ(mpipe::to_string(Schedule::DualPipeV), "DualPipeV");
+  for (int64_t d = 1; d <= 4; ++d) {
+    for (int64_t m = 1; m <= 3 * d + 1; ++m) {
+      SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches");
+      const auto p = dualpipe_v(m, d);
+      EXPECT_EQ(sch::stage_workers(p), sch::stage_workers(sch::zero_bubble_v(m, d)));
+      if (m < 2 * d) {  // no steady state: ZB-V's programs
+        EXPECT_EQ(p, sch::zero_bubble_v(m, d));
+        continue;
+      }
+      // Every worker pairs: m - 2D + r + 1 steady rounds of two pairs, less
+      // the last worker's first, plus D - r - 1 more (step 5).
+      for (int64_t r = 0; r < d; ++r) {
+        const int64_t want = 2 * (m - 2 * d + r + 1) - (r == d - 1 ? 1 : 0) + (d - r - 1);
+        EXPECT_EQ(count_pairs({p[static_cast<size_t>(r)]}), want) << "worker " << r;
+      }
+      for (const auto& q : p) {
+        for (size_t k = 0; k < q.size(); ++k) {
+          if (!q[k].with_next) continue;
+          EXPECT_EQ(q[k].kind, sch::OpKind::Forward);
+          EXPECT_EQ(q[k + 1].kind, sch::OpKind::Backward);
+          EXPECT_NE(q[k].stage, q[k + 1].stage);
+        }
+      }
+    }
+  }
+  MPIPE_EXPECT_ERROR(mpipe::programs_for(Schedule::DualPipeV, 4, 5), "DualPipeV", "even", "5");
+  std::ostringstream text;
+  text << sch::Op{sch::OpKind::Forward, 3, 1, true};
+  EXPECT_EQ(text.str(), "F(3, 1)&");
+}
+
+// The DualPipe README (deepseek-ai/DualPipe, "Pipeline Bubbles and Memory
+// Usage Comparison"): with PP = 2D chunks, DualPipeV's bubble is
+// (PP/2 - 1)(F&B + B - 3W) and each device holds PP + 1 chunks' activations.
+// simulate charges a pair F + B (no overlap), so with F = I = W = 1 (B = 2,
+// F&B = 3) the bubble is 2(D - 1): 6m + 2(D - 1) units in all.
+TEST(DualPipeV, MakespanAndPeakMemoryFollowTheDualPipeReadme) {
+  for (int64_t d = 1; d <= 6; ++d) {
+    for (int64_t m = 2 * d; m <= 3 * d + 2; ++m) {
+      SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches");
+      const auto p = dualpipe_v(m, d);
+      EXPECT_NO_THROW(sch::validate(p, 2 * d, m));
+      EXPECT_DOUBLE_EQ(sch::makespan(p), 6.0 * m + 2.0 * (d - 1));
+      EXPECT_DOUBLE_EQ(max_peak(p), 2.0 * d + 1);
+      // A pair hands on its forward's result only when its backward ends.
+      std::map<std::tuple<int, int64_t, int64_t>, sch::TimedOp> at;
+      for (const auto& t : sch::simulate(p)) {
+        at[std::make_tuple(static_cast<int>(t.op.kind), t.op.micro_batch, t.op.stage)] = t;
+      }
+      auto find = [&](const sch::Op& op) {
+        return at.at(std::make_tuple(static_cast<int>(op.kind), op.micro_batch, op.stage));
+      };
+      for (const auto& q : p) {
+        for (size_t k = 0; k < q.size(); ++k) {
+          if (!q[k].with_next || q[k].stage + 1 == 2 * d) continue;
+          const auto next = find(sch::F(q[k].micro_batch, q[k].stage + 1));
+          EXPECT_GE(next.start, find(q[k + 1]).end) << q[k];
+        }
+      }
+    }
+  }
+}
+
+TEST(DualPipeV, ValidateRefusesPairsThatAreNotAForwardAndABackward) {
+  auto pair = [](sch::Op a) {
+    a.with_next = true;
+    return a;
+  };
+  // One worker, stages 0 and 1, two micro-batches.
+  auto check = [](const sch::Program& p, std::vector<std::string> pieces) {
+    try {
+      sch::validate({p}, 2, 2);
+      ADD_FAILURE() << "accepted";
+    } catch (const c10::Error& e) {
+      for (const auto& piece : pieces) {
+        EXPECT_NE(std::string(e.what_without_backtrace()).find(piece), std::string::npos)
+            << e.what_without_backtrace();
+      }
+    }
+  };
+  const sch::Program ok = {sch::F(0, 0), sch::F(0, 1), pair(sch::F(1, 0)), sch::B(0, 1),
+                           sch::F(1, 1), sch::B(1, 1), sch::B(0, 0), sch::B(1, 0)};
+  EXPECT_NO_THROW(sch::validate({ok}, 2, 2));
+  EXPECT_EQ(sch::makespan({ok}), 12.0);
+  check({sch::F(0, 0), pair(sch::F(0, 1)), sch::F(1, 0), sch::B(0, 1), sch::F(1, 1), sch::B(1, 1),
+         sch::B(0, 0), sch::B(1, 0)},
+        {"F(0, 1)&", "a forward and a backward"});
+  check({sch::F(0, 0), sch::F(0, 1), pair(sch::F(1, 0)), sch::B(0, 0), sch::F(1, 1), sch::B(1, 1),
+         sch::B(0, 1), sch::B(1, 0)},
+        {"F(1, 0)&", "two stages and two micro-batches"});
+  check({sch::F(0, 0), sch::F(0, 1), pair(sch::F(1, 0)), pair(sch::B(0, 1)), sch::F(1, 1),
+         sch::B(1, 1), sch::B(0, 0), sch::B(1, 0)},
+        {"pairs do not chain"});
+  check({sch::F(0, 0), sch::F(0, 1), sch::F(1, 0), sch::B(0, 1), sch::F(1, 1), sch::B(1, 1),
+         sch::B(0, 0), pair(sch::B(1, 0))},
+        {"B(1, 0)&", "ends its program"});
+}
+
+namespace {
+
+struct DualCase {
+  Checkpoint checkpoint;
+  bool threads;
+};
+
+class DualPipeVStep : public ::testing::TestWithParam<DualCase> {};
+
+}  // namespace
+
+// Loss, the input's gradient and every parameter's gradient equal the plain
+// model's, and GPipe's bit for bit: 1 to 4 workers, 1 to 3D micro-batches
+// (and a short last one). The timeline marks the pairs' tasks.
+TEST_P(DualPipeVStep, EqualsThePlainModel) {
+  torch::manual_seed(23);
+  const int64_t width = 4;
+  for (int64_t d = 1; d <= 4; ++d) {
+    auto pipe = ModelPipeline(ModelPipelineOptions()
+                                  .worker_threads(GetParam().threads)
+                                  .checkpoint(GetParam().checkpoint)
+                                  .record_timeline(true));
+    std::vector<torch::nn::Sequential> stages;
+    for (int64_t s = 0; s < 2 * d; ++s) {
+      stages.push_back(mlp_stage(width, width));
+      stages.back()->to(torch::kDouble);
+      pipe->append(stages.back(), "cpu");
+    }
+    const std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+    const auto step = TrainStepOptions(2).schedule(Schedule::DualPipeV);
+    for (int64_t m = 1; m <= 3 * d; ++m) {
+      for (int64_t extra : {0, 1}) {
+        const int64_t batch = 2 * m - extra;
+        SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches, batch " +
+                     std::to_string(batch));
+        const auto x = torch::randn({batch, width}, torch::kDouble);
+        const auto y = torch::randn({batch, width}, torch::kDouble);
+        expect_train_step_transparent(pipe, stages, devices, x, y, mse, step);
+        expect_gpipes_step(pipe, x, y, step);
+        const auto t = pipe->timeline();  // DualPipeV's step, the last one
+        EXPECT_EQ(t.schedule, "DualPipeV");
+        int64_t paired = 0;
+        for (const auto& task : t.tasks) paired += task.paired;
+        EXPECT_EQ(paired, 2 * count_pairs(dualpipe_v(m, d)));
+        if (m >= 2 * d) EXPECT_GT(paired, 0);
+        if (m == 2 * d && d == 2 && GetParam().threads) {
+          EXPECT_NE(t.to_svg().find("(paired)"), std::string::npos);
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, DualPipeVStep,
+                         ::testing::Values(DualCase{Checkpoint::Never, true},
+                                           DualCase{Checkpoint::Never, false},
+                                           DualCase{Checkpoint::ExceptLast, true},
+                                           DualCase{Checkpoint::Always, false}),
+                         [](const ::testing::TestParamInfo<DualCase>& info) {
+                           const auto& c = info.param;
+                           return std::string(c.checkpoint == Checkpoint::Never ? "NoCheckpoint"
+                                              : c.checkpoint == Checkpoint::ExceptLast
+                                                  ? "CheckpointExceptLast"
+                                                  : "CheckpointAlways") +
+                                  (c.threads ? "_Threads" : "_Inline");
+                         });
+
+// Given programs with pairs run too; a bad pair is refused before anything
+// runs, and the pipeline stays usable.
+TEST(DualPipeVErrors, BadPairsAndOddStageCountsAreRefused) {
+  auto pipe = ModelPipeline();
+  pipe->append(mlp_stage(3, 3), "cpu").append(mlp_stage(3, 3), "cpu").append(mlp_stage(3, 3), "cpu");
+  const auto x = torch::randn({4, 3}), y = torch::randn({4, 3});
+  MPIPE_EXPECT_ERROR(pipe->train_step(x, y, mse, TrainStepOptions(2).schedule(Schedule::DualPipeV)),
+                     "DualPipeV", "even number of stages", "3");
+  auto two = ModelPipeline();
+  two->append(mlp_stage(3, 3), "cpu").append(mlp_stage(3, 3), "cpu");
+  auto programs = dualpipe_v(4, 1);
+  ASSERT_GT(count_pairs(programs), 0);
+  const auto step = TrainStepOptions(1).programs(programs);
+  expect_gpipes_step(two, x, y, step);
+  for (auto& op : programs[0]) {
+    if (op.with_next) {
+      op.kind = sch::OpKind::Backward;  // now a backward before its forward, or two backwards
+      break;
+    }
+  }
+  EXPECT_THROW(two->train_step(x, y, mse, TrainStepOptions(1).programs(programs)), c10::Error);
+  EXPECT_TRUE(two->train_step(x, y, mse, TrainStepOptions(1)).defined());
+}
