@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long form of the cross-process stress test (tests/distributed/stress.cpp):
 # 3 ranks, 4 ranks and 4 ranks as 2 replicas, each running MPIPE_STRESS_CALLS
-# (default 2000) mixed calls over three pipelines on Gloo over 127.0.0.1, under
+# (default 2000) mixed calls over four pipelines (one in the V) on Gloo over 127.0.0.1, under
 # the debug hook that delays and reorders deliveries (MPIPE_DEBUG_CHAOS, seed
 # MPIPE_STRESS_SEED, default 1; MPIPE_STRESS_SEED=off runs without it). Every
 # result is checked against the plain model on every rank; a stage error is

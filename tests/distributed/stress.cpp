@@ -112,21 +112,27 @@ struct Pipe {
   Kind kind;
   Model mine, reference;
   mpipe::ModelPipeline pipe{nullptr};
-  int64_t first = 0;
+  std::vector<int64_t> numbers;  // this rank's stages
+  bool holds_last = false;       // gets the outputs and the loss
 
-  Pipe(Kind kind, const ProcessGroup& group, bool threads) : kind(kind) {
+  /// `vee`: the stages in the V (ProcessGroup::v_stages), else contiguous.
+  Pipe(Kind kind, const ProcessGroup& group, bool threads, bool vee = false) : kind(kind) {
     const int64_t s = group.pipeline_size();
     const int64_t n = kind == Kind::Mlp ? 2 * s : kind == Kind::MultiStep ? s + 1 : s;
     mine = build(kind, n);
     reference = build(kind, n);
     auto options = mpipe::ModelPipelineOptions().process_group(group).worker_threads(threads);
     if (kind == Kind::MultiStep) options.step_mode(snn::StepMode::Multi);
-    pipe = mpipe::ModelPipeline(options);
-    const auto range = group.stage_range(n);
-    first = range.first;
-    for (int64_t k = range.first; k < range.second; ++k) {
-      pipe->append(mine.stages[static_cast<size_t>(k)], "cpu");
+    if (vee) {
+      numbers = group.v_stages(n);
+      options.stage_numbers(numbers);
+    } else {
+      const auto range = group.stage_range(n);
+      for (int64_t k = range.first; k < range.second; ++k) numbers.push_back(k);
     }
+    holds_last = numbers.back() == n - 1;
+    pipe = mpipe::ModelPipeline(options);
+    for (int64_t k : numbers) pipe->append(mine.stages[static_cast<size_t>(k)], "cpu");
   }
   void reset() {
     mpipe::reset_states(*pipe);
@@ -148,14 +154,14 @@ struct Pipe {
   std::string compare_grads() {
     std::string bad;
     for (size_t k = 0; k < pipe->size(); ++k) {
-      const auto got = mine.stages[static_cast<size_t>(first) + k]->parameters();
-      const auto want = reference.stages[static_cast<size_t>(first) + k]->parameters();
+      const auto got = mine.stages[static_cast<size_t>(numbers[k])]->parameters();
+      const auto want = reference.stages[static_cast<size_t>(numbers[k])]->parameters();
       for (size_t p = 0; p < got.size(); ++p) {
         const at::Tensor g = got[p].grad(), w = want[p].grad();
         const bool same = (!g.defined() && !w.defined()) ||
                           (g.defined() && w.defined() && torch::allclose(g, w, 1e-10, 1e-12));
         if (!same && bad.empty()) {
-          bad = c10::str("stage ", first + static_cast<int64_t>(k), " parameter ", p);
+          bad = c10::str("stage ", numbers[k], " parameter ", p);
         }
       }
     }
@@ -179,7 +185,7 @@ using mpipe_test::mse;
 /// an unexpected exception (the group may be broken: stop).
 bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
   const ProcessGroup& g = st.group;
-  const bool first = g.is_first(), last = g.is_last();
+  const bool first = g.is_first(), last = p.holds_last;
   std::string what;
   int64_t trapped = -1;
   if (inject) {  // every rank arms the same stage; its holder fails
@@ -200,13 +206,15 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
       } else {
         const at::Tensor y = st.tensor({rows, 3});
         const int64_t mb = st.pick(1, rows);
-        const int64_t which = st.pick(0, 5);
+        const int64_t which = st.pick(0, 7);
         auto options = mpipe::TrainStepOptions(mb);
         const mpipe::Schedule schedules[] = {mpipe::Schedule::GPipe, mpipe::Schedule::OneFOneB,
                                              mpipe::Schedule::ZeroBubbleH1,
                                              mpipe::Schedule::Auto,
                                              mpipe::Schedule::Interleaved1F1B,
-                                             mpipe::Schedule::Tailored};
+                                             mpipe::Schedule::Tailored,
+                                             mpipe::Schedule::ZeroBubbleV,
+                                             mpipe::Schedule::DualPipeV};
         options.schedule(schedules[which]);
         if (which == 4) options.virtual_stages(2);
         if (which == 5) options.stage_costs({{1, 2, 1, static_cast<double>(st.pick(0, 3))}});
@@ -339,13 +347,14 @@ int main(int argc, char** argv) {
           .timeout(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))));
   const auto start = std::chrono::steady_clock::now();
   {
-    // Both worker modes: threaded pipelines for A and B, inline for C.
+    // Both worker modes: threaded pipelines for A, B and D, inline for C; D
+    // is A's model in the V.
     Pipe a(Kind::Mlp, st.group, true), b(Kind::MultiStep, st.group, true),
-        c(Kind::SingleStep, st.group, false);
-    Pipe* pipes[] = {&a, &b, &c};
+        c(Kind::SingleStep, st.group, false), d(Kind::Mlp, st.group, true, /*vee=*/true);
+    Pipe* pipes[] = {&a, &b, &c, &d};
     int64_t next_injection = st.pick(30, 70);
     for (int64_t k = 0; k < calls; ++k) {
-      Pipe& p = *pipes[st.pick(0, 2)];
+      Pipe& p = *pipes[st.pick(0, 3)];
       const bool inject = k == next_injection;
       if (inject) next_injection = k + st.pick(30, 70);
       if (!one_call(st, p, k, inject)) break;
