@@ -224,3 +224,41 @@ TEST(DualPipeVErrors, BadPairsAndOddStageCountsAreRefused) {
   EXPECT_THROW(two->train_step(x, y, mse, TrainStepOptions(1).programs(programs)), c10::Error);
   EXPECT_TRUE(two->train_step(x, y, mse, TrainStepOptions(1)).defined());
 }
+
+// On one GPU, every stage on its own stream: the step equals GPipe's bit for
+// bit, and the timeline times each pair's forward and backward on the GPU
+// (whether they overlapped is the device's business: printed, not asserted).
+TEST(DualPipeV, OnTheGpuEqualsGPipeAndTimesThePairs_CUDA) {
+  MPIPE_REQUIRE_CUDA(1);
+  torch::manual_seed(29);
+  const int64_t d = 2, width = 256;
+  auto pipe = ModelPipeline(ModelPipelineOptions().record_timeline(true));
+  for (int64_t s = 0; s < 2 * d; ++s) pipe->append(mlp_stage(width, width), "cuda:0");
+  const auto x = torch::randn({64, width}, torch::kCUDA), y = torch::randn({64, width}, torch::kCUDA);
+  const auto step = TrainStepOptions(mpipe::chunks(8)).schedule(Schedule::DualPipeV);
+  expect_gpipes_step(pipe, x, y, step);
+  const auto t = pipe->timeline();
+  ASSERT_EQ(t.schedule, "DualPipeV");
+  // Per worker, in the order its thread began them: forward, backward, ...
+  std::map<int64_t, std::vector<mpipe::Timeline::Task>> paired;
+  int64_t n_paired = 0;
+  for (const auto& task : t.tasks) {
+    EXPECT_TRUE(task.device.is_cuda());
+    EXPECT_LE(task.start_ms, task.end_ms);
+    if (!task.paired) continue;
+    paired[t.rank_of(task.stage)].push_back(task);
+    ++n_paired;
+  }
+  EXPECT_EQ(n_paired, 2 * count_pairs(dualpipe_v(8, d)));
+  double overlap = 0;
+  for (const auto& w : paired) {
+    for (size_t k = 0; k + 1 < w.second.size(); k += 2) {
+      const auto &f = w.second[k], &b = w.second[k + 1];
+      EXPECT_EQ(f.kind, mpipe::TaskKind::Forward);
+      EXPECT_EQ(b.kind, mpipe::TaskKind::Backward);
+      overlap += std::max(0.0, std::min(f.end_ms, b.end_ms) - std::max(f.start_ms, b.start_ms));
+    }
+  }
+  std::printf("DualPipeV on the GPU: %lld paired tasks, %.3f ms of overlap in a %.3f ms step\n",
+              static_cast<long long>(n_paired), overlap, t.makespan_ms());
+}
