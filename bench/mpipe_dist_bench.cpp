@@ -381,29 +381,34 @@ int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
       {"1f1b", mpipe::Schedule::OneFOneB},
       {"zbh1", mpipe::Schedule::ZeroBubbleH1},
       {"tailored", mpipe::Schedule::Tailored}};
+  // One schedule's step, timed, against the prediction for it.
+  auto time_step = [&](const char* name, mpipe::Schedule schedule, mpipe::ModelPipeline& p,
+                       torch::optim::Optimizer& o, const mpipe::TrainStepOptions& options) {
+    const double t = median_seconds(c, [&] {
+      o.zero_grad();
+      p->train_step(x, y, loss_fn, options);
+      mpipe::clip_grad_norm(*p, 1.0);
+      o.step();
+    }, barrier);
+    const double predicted =
+        lm_bench::predict_ms(costs, n, schedule, m, c.host_us / 1e3, 1e3 * handoff) +
+        1e3 * optimizer / static_cast<double>(n);
+    const double predicted_contended =
+        lm_bench::predict_ms(contended, n, schedule, m, c.host_us / 1e3, 1e3 * handoff) +
+        1e3 * optimizer * contention / static_cast<double>(n);
+    out[name] = {{"measured_ms", 1e3 * t}, {"predicted_ms", predicted},
+                 {"measured_to_predicted", 1e3 * t / predicted},
+                 {"predicted_with_contention_ms", predicted_contended},
+                 {"measured_to_predicted_with_contention", 1e3 * t / predicted_contended},
+                 {"speedup_vs_fair_plain", plain / t},
+                 {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
+  };
   // Tailored is built for the measured costs (rank 0's, on every rank).
   const auto measured = lm_bench::stage_costs_of(costs, n, true, c.host_us / 1e3, 1e3 * handoff);
   for (const auto& sc : schedules) {
     auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
     if (sc.second == mpipe::Schedule::Tailored) options.stage_costs(measured);
-    const double t = median_seconds(c, [&] {
-      opt->zero_grad();
-      pipe->train_step(x, y, loss_fn, options);
-      mpipe::clip_grad_norm(*pipe, 1.0);
-      opt->step();
-    }, barrier);
-    const double predicted =
-        lm_bench::predict_ms(costs, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
-        1e3 * optimizer / static_cast<double>(n);
-    const double predicted_contended =
-        lm_bench::predict_ms(contended, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
-        1e3 * optimizer * contention / static_cast<double>(n);
-    out[sc.first] = {{"measured_ms", 1e3 * t}, {"predicted_ms", predicted},
-                     {"measured_to_predicted", 1e3 * t / predicted},
-                     {"predicted_with_contention_ms", predicted_contended},
-                     {"measured_to_predicted_with_contention", 1e3 * t / predicted_contended},
-                     {"speedup_vs_fair_plain", plain / t},
-                     {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
+    time_step(sc.first, sc.second, pipe, *opt, options);
   }
   // The V: 2n stages, rank r holding stages r and 2n - 1 - r (stage_numbers).
   std::vector<std::pair<const char*, mpipe::Schedule>> ran(std::begin(schedules), std::end(schedules));
@@ -422,25 +427,8 @@ int lm_main(const Config& c, mpipe::distributed::ProcessGroup& group) {
     auto v_opt = make_opt(vee->parameters());
     for (const auto& sc : {std::make_pair("zbv", mpipe::Schedule::ZeroBubbleV),
                            std::make_pair("dualpipev", mpipe::Schedule::DualPipeV)}) {
-      const auto options = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second);
-      const double t = median_seconds(c, [&] {
-        v_opt->zero_grad();
-        vee->train_step(x, y, loss_fn, options);
-        mpipe::clip_grad_norm(*vee, 1.0);
-        v_opt->step();
-      }, barrier);
-      const double predicted =
-          lm_bench::predict_ms(costs, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
-          1e3 * optimizer / static_cast<double>(n);
-      const double predicted_contended =
-          lm_bench::predict_ms(contended, n, sc.second, m, c.host_us / 1e3, 1e3 * handoff) +
-          1e3 * optimizer * contention / static_cast<double>(n);
-      out[sc.first] = {{"measured_ms", 1e3 * t}, {"predicted_ms", predicted},
-                       {"measured_to_predicted", 1e3 * t / predicted},
-                       {"predicted_with_contention_ms", predicted_contended},
-                       {"measured_to_predicted_with_contention", 1e3 * t / predicted_contended},
-                       {"speedup_vs_fair_plain", plain / t},
-                       {"predicted_speedup_vs_fair_plain", 1e3 * plain / predicted}};
+      time_step(sc.first, sc.second, vee, *v_opt,
+                mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(sc.second));
       ran.push_back(sc);
     }
   }

@@ -1,7 +1,8 @@
 // DualPipeV (Note [DualPipeV]): its programs as a pure function (the V, the
 // pairs, makespan and peak memory against the DualPipe README's table),
-// validate's rules for pairs, and the runtime running them equal to the plain
-// model and to GPipe bit for bit, threaded and inline, with checkpointing.
+// validate's rules for pairs, given programs with pairs, and a step on the
+// GPU. (The runtime's steps on the CPU, against the plain model and GPipe:
+// VStep in test_v_schedules.cpp.)
 
 #include "common.h"
 
@@ -133,73 +134,6 @@ TEST(DualPipeV, ValidateRefusesPairsThatAreNotAForwardAndABackward) {
          sch::B(0, 0), pair(sch::B(1, 0))},
         {"B(1, 0)&", "ends its program"});
 }
-
-namespace {
-
-struct DualCase {
-  Checkpoint checkpoint;
-  bool threads;
-};
-
-class DualPipeVStep : public ::testing::TestWithParam<DualCase> {};
-
-}  // namespace
-
-// Loss, the input's gradient and every parameter's gradient equal the plain
-// model's, and GPipe's bit for bit: 1 to 4 workers, 1 to 3D micro-batches
-// (and a short last one). The timeline marks the pairs' tasks.
-TEST_P(DualPipeVStep, EqualsThePlainModel) {
-  torch::manual_seed(23);
-  const int64_t width = 4;
-  for (int64_t d = 1; d <= 4; ++d) {
-    auto pipe = ModelPipeline(ModelPipelineOptions()
-                                  .worker_threads(GetParam().threads)
-                                  .checkpoint(GetParam().checkpoint)
-                                  .record_timeline(true));
-    std::vector<torch::nn::Sequential> stages;
-    for (int64_t s = 0; s < 2 * d; ++s) {
-      stages.push_back(mlp_stage(width, width));
-      stages.back()->to(torch::kDouble);
-      pipe->append(stages.back(), "cpu");
-    }
-    const std::vector<torch::Device> devices(stages.size(), torch::kCPU);
-    const auto step = TrainStepOptions(2).schedule(Schedule::DualPipeV);
-    for (int64_t m = 1; m <= 3 * d; ++m) {
-      for (int64_t extra : {0, 1}) {
-        const int64_t batch = 2 * m - extra;
-        SCOPED_TRACE(std::to_string(d) + " workers, " + std::to_string(m) + " micro-batches, batch " +
-                     std::to_string(batch));
-        const auto x = torch::randn({batch, width}, torch::kDouble);
-        const auto y = torch::randn({batch, width}, torch::kDouble);
-        expect_train_step_transparent(pipe, stages, devices, x, y, mse, step);
-        expect_gpipes_step(pipe, x, y, step);
-        const auto t = pipe->timeline();  // DualPipeV's step, the last one
-        EXPECT_EQ(t.schedule, "DualPipeV");
-        int64_t paired = 0;
-        for (const auto& task : t.tasks) paired += task.paired;
-        EXPECT_EQ(paired, 2 * count_pairs(dualpipe_v(m, d)));
-        if (m >= 2 * d) EXPECT_GT(paired, 0);
-        if (m == 2 * d && d == 2 && GetParam().threads) {
-          EXPECT_NE(t.to_svg().find("(paired)"), std::string::npos);
-        }
-      }
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Cpu, DualPipeVStep,
-                         ::testing::Values(DualCase{Checkpoint::Never, true},
-                                           DualCase{Checkpoint::Never, false},
-                                           DualCase{Checkpoint::ExceptLast, true},
-                                           DualCase{Checkpoint::Always, false}),
-                         [](const ::testing::TestParamInfo<DualCase>& info) {
-                           const auto& c = info.param;
-                           return std::string(c.checkpoint == Checkpoint::Never ? "NoCheckpoint"
-                                              : c.checkpoint == Checkpoint::ExceptLast
-                                                  ? "CheckpointExceptLast"
-                                                  : "CheckpointAlways") +
-                                  (c.threads ? "_Threads" : "_Inline");
-                         });
 
 // Given programs with pairs run too; a bad pair is refused before anything
 // runs, and the pipeline stays usable.

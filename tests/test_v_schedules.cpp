@@ -1,7 +1,8 @@
 // Schedules built by list scheduling: ZB-V as a pure function (its
 // placement, makespan and peak memory against the paper's), Tailored against
-// the built-ins over random costs, and the runtime running both equal to the
-// plain model, threaded and inline, with checkpointing.
+// the built-ins over random costs, and the runtime running them (and
+// DualPipeV, on the same V) equal to the plain model, threaded and inline,
+// with checkpointing.
 
 #include "common.h"
 
@@ -75,19 +76,23 @@ TEST(ZeroBubbleV, AHandOffBetweenTwoStagesOfOneWorkerCostsNothing) {
 namespace {
 
 struct VCase {
+  Schedule schedule;  // ZeroBubbleV or DualPipeV (VStep), Tailored (TailoredStep)
   Checkpoint checkpoint;
   bool threads;
 };
 
-class ZeroBubbleVStep : public ::testing::TestWithParam<VCase> {};
+class VStep : public ::testing::TestWithParam<VCase> {};
 
 }  // namespace
 
-// Loss, the input's gradient and every parameter's gradient equal the plain
-// model's exactly: 1 to 4 workers, 1 to 3D micro-batches (and uneven ones).
-TEST_P(ZeroBubbleVStep, EqualsThePlainModel) {
+// ZB-V and DualPipeV: loss, the input's gradient and every parameter's
+// gradient equal the plain model's exactly, and GPipe's bit for bit: 1 to 4
+// workers, 1 to 3D micro-batches (and uneven ones). The timeline names the
+// schedule, places the stages in the V and marks DualPipeV's pairs.
+TEST_P(VStep, EqualsThePlainModel) {
   torch::manual_seed(21);
   const int64_t width = 4;
+  const Schedule schedule = GetParam().schedule;
   for (int64_t d = 1; d <= 4; ++d) {
     auto pipe = ModelPipeline(ModelPipelineOptions()
                                   .worker_threads(GetParam().threads)
@@ -100,6 +105,7 @@ TEST_P(ZeroBubbleVStep, EqualsThePlainModel) {
       pipe->append(stages.back(), "cpu");
     }
     const std::vector<torch::Device> devices(stages.size(), torch::kCPU);
+    const auto step = TrainStepOptions(2).schedule(schedule);
     for (int64_t m = 1; m <= 3 * d; ++m) {
       for (int64_t extra : {0, 1}) {  // m micro-batches of 2 rows, or the last one short
         const int64_t batch = 2 * m - extra;
@@ -107,30 +113,44 @@ TEST_P(ZeroBubbleVStep, EqualsThePlainModel) {
                      std::to_string(batch));
         const auto x = torch::randn({batch, width}, torch::kDouble);
         const auto y = torch::randn({batch, width}, torch::kDouble);
-        expect_train_step_transparent(pipe, stages, devices, x, y, mse,
-                                      TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
-        expect_gpipes_step(pipe, x, y, TrainStepOptions(2).schedule(Schedule::ZeroBubbleV));
+        expect_train_step_transparent(pipe, stages, devices, x, y, mse, step);
+        expect_gpipes_step(pipe, x, y, step);
+        const auto t = pipe->timeline();  // the last step's
+        EXPECT_EQ(t.schedule, mpipe::to_string(schedule));
+        EXPECT_EQ(t.stage_ranks, sch::stage_workers(sch::zero_bubble_v(1, d)));
+        int64_t paired = 0, pairs = 0;
+        for (const auto& task : t.tasks) paired += task.paired;
+        for (const auto& p : mpipe::programs_for(schedule, m, 2 * d)) {
+          for (const auto& op : p) pairs += op.with_next;
+        }
+        EXPECT_EQ(paired, 2 * pairs);
+        if (schedule == Schedule::DualPipeV && m >= 2 * d) EXPECT_GT(pairs, 0);
+        if (pairs > 0 && GetParam().threads) {
+          EXPECT_NE(t.to_svg().find("(paired)"), std::string::npos);
+        }
       }
     }
-    const auto t = pipe->timeline();  // the last step's
-    EXPECT_EQ(t.schedule, "ZB-V");
-    EXPECT_EQ(t.stage_ranks, sch::stage_workers(sch::zero_bubble_v(1, d)));
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, ZeroBubbleVStep,
-                         ::testing::Values(VCase{Checkpoint::Never, true},
-                                           VCase{Checkpoint::Never, false},
-                                           VCase{Checkpoint::ExceptLast, true},
-                                           VCase{Checkpoint::Always, false}),
-                         [](const ::testing::TestParamInfo<VCase>& info) {
-                           const auto& c = info.param;
-                           return std::string(c.checkpoint == Checkpoint::Never ? "NoCheckpoint"
-                                              : c.checkpoint == Checkpoint::ExceptLast
-                                                  ? "CheckpointExceptLast"
-                                                  : "CheckpointAlways") +
-                                  (c.threads ? "_Threads" : "_Inline");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, VStep,
+    ::testing::Values(VCase{Schedule::ZeroBubbleV, Checkpoint::Never, true},
+                      VCase{Schedule::ZeroBubbleV, Checkpoint::Never, false},
+                      VCase{Schedule::ZeroBubbleV, Checkpoint::ExceptLast, true},
+                      VCase{Schedule::ZeroBubbleV, Checkpoint::Always, false},
+                      VCase{Schedule::DualPipeV, Checkpoint::Never, true},
+                      VCase{Schedule::DualPipeV, Checkpoint::Never, false},
+                      VCase{Schedule::DualPipeV, Checkpoint::ExceptLast, true},
+                      VCase{Schedule::DualPipeV, Checkpoint::Always, false}),
+    [](const ::testing::TestParamInfo<VCase>& info) {
+      const auto& c = info.param;
+      return schedule_name(c.schedule) + "_" +
+             (c.checkpoint == Checkpoint::Never        ? "NoCheckpoint"
+              : c.checkpoint == Checkpoint::ExceptLast ? "CheckpointExceptLast"
+                                                       : "CheckpointAlways") +
+             (c.threads ? "_Threads" : "_Inline");
+    });
 
 TEST(ZeroBubbleVErrors, AnOddStageCountIsRefusedAndThePipelineStaysUsable) {
   auto pipe = ModelPipeline();
@@ -235,9 +255,9 @@ TEST_P(TailoredStep, EqualsThePlainModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, TailoredStep,
-                         ::testing::Values(VCase{Checkpoint::Never, true},
-                                           VCase{Checkpoint::Never, false},
-                                           VCase{Checkpoint::Always, true}));
+                         ::testing::Values(VCase{Schedule::Tailored, Checkpoint::Never, true},
+                                           VCase{Schedule::Tailored, Checkpoint::Never, false},
+                                           VCase{Schedule::Tailored, Checkpoint::Always, true}));
 
 // Tailored with virtual_stages(2) may place stage s on worker s % 2 (the
 // stages share the CPU): still bit for bit GPipe's step.
