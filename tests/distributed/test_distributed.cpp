@@ -1351,15 +1351,26 @@ TEST(Faults, EveryRankFailsWithinTheBoundNamingTheFaultyRank) {
   const bool faulty = me == d.rank;
   if (faulty && d.fault == "stall") std::system(("rm -rf " + drill_dir()).c_str());
   const int64_t n = group().pipeline_size();
-  mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions().process_group(group()));
-  const auto range = group().stage_range(n);
+  // ":v": the stages in the V, DualPipeV's train_step (rank 0 computes the loss).
+  const bool vee = d.call == "v";
+  std::vector<int64_t> numbers;
+  if (vee) {
+    numbers = group().v_stages(2 * n);
+  } else {
+    const auto range = group().stage_range(n);
+    for (int64_t s = range.first; s < range.second; ++s) numbers.push_back(s);
+  }
+  auto options = mpipe::ModelPipelineOptions().process_group(group());
+  if (vee) options.stage_numbers(numbers);
+  mpipe::ModelPipeline pipe(options);
   if (!(d.fault == "nostages" && faulty)) {
-    for (int64_t s = range.first; s < range.second; ++s) {
+    for (size_t k = 0; k < numbers.size(); ++k) {
       pipe->append(Stalling(faulty && d.fault == "stall" ? d.where : std::string()), "cpu");
     }
   }
-  const at::Tensor x = input(4);
-  const at::Tensor y = torch::zeros({4, 6}, torch::kDouble);
+  const int64_t rows = vee ? 4 * n : 4;  // DualPipeV: 2D micro-batches or more
+  const at::Tensor x = input(rows);
+  const at::Tensor y = torch::zeros({rows, 6}, torch::kDouble);
   auto loss_fn = [&](const at::Tensor& out, const at::Tensor& target) {
     if (faulty && d.fault == "stall" && d.where == "loss") stall_until_reported();
     return mse(out, target);
@@ -1367,6 +1378,9 @@ TEST(Faults, EveryRankFailsWithinTheBoundNamingTheFaultyRank) {
   auto call = [&] {
     if (d.call == "constant") {
       pipe->constant_train_step(x, 3, y, loss_fn);
+    } else if (vee) {
+      pipe->train_step(x, y, loss_fn,
+                       mpipe::TrainStepOptions(1).schedule(mpipe::Schedule::DualPipeV));
     } else {
       pipe->train_step(x, y, loss_fn, mpipe::TrainStepOptions(2));
     }

@@ -53,8 +53,10 @@ namespace detail {
 // A peer that dies breaks its connection (the receiving thread fails at once).
 // One that stalls leaves the ranks after it waiting for inputs and those
 // before it for gradients, each behind the next: a receive from another rank
-// waits the group's timeout plus half a second per rank between it and the
-// pipeline's end it waits on, so the stalled rank's neighbour gives up first
+// waits the group's timeout plus a grace that grows with the hand-offs
+// between ranks from the pipeline's end it waits on (half a second per rank
+// over the whole chain, so a quarter per hand-off in the V, which crosses
+// each boundary twice), so the stalled rank's neighbour gives up first
 // and its Abort, naming the stalled rank, reaches the others before they give
 // up; a receive from a stage of the same rank waits without a timeout (that
 // stage delivers or the call fails), so no rank ever names itself. The call

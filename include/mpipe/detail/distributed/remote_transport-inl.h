@@ -56,8 +56,10 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
   // A stall upstream leaves every later rank waiting for inputs, one behind
   // the other; downstream, every earlier rank waiting for gradients. The rank
   // next to the stalled one should time out first and name it, so waits grow
-  // by half a second per hand-off between ranks away from it, at most one
-  // per other rank (Note [Cross-process calls]). A
+  // with the hand-offs between ranks away from it: half a second per rank
+  // over the whole chain (per hand-off with contiguous ranges, a quarter in
+  // the V, which crosses each boundary twice), so the longest wait stays
+  // within the documented bound (Note [Cross-process calls]). A
   // receive from a stage of this rank waits without a timeout: that stage
   // either delivers or fails the call (its own receive times out, or another
   // rank's Abort arrives), and it is not the one to name.
@@ -69,8 +71,10 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
     const int64_t hops = key.kind == Key::Activation || key.kind == Key::Skip
                              ? l.hops_before(at)
                              : l.hops_before(l.n_stages - 1) - l.hops_before(at);
-    const int64_t steps = std::min(hops, call_.group().pipeline_size() - 1);
-    return call_.group().timeout() + std::chrono::milliseconds(500 * steps);
+    const int64_t chain = l.hops_before(l.n_stages - 1);
+    const int64_t others = call_.group().pipeline_size() - 1;
+    return call_.group().timeout() +
+           std::chrono::milliseconds(chain > 0 ? 500 * others * hops / chain : 0);
   };
 }
 
