@@ -64,8 +64,9 @@ class JobCheckpoints {
   std::string save(int64_t step, const std::string& data_position = "");
 
   /// Loads the newest checkpoint that every rank holds whole and that
-  /// matches this job (world size, this rank's stages, their parameters'
-  /// and buffers' names, shapes and dtypes); nullopt when there is none. A
+  /// matches this job (world size, this rank's stage numbers where it set
+  /// ModelPipelineOptions::stage_numbers, its stages' parameters' and
+  /// buffers' names, shapes and dtypes); nullopt when there is none. A
   /// checkpoint refused on any rank (a missing, torn, corrupted or
   /// mismatched file) is skipped on every rank, with a warning naming the
   /// rank's file and why, and the one before it is tried. Throws c10::Error

@@ -1015,6 +1015,25 @@ TEST(Distributed, JobCheckpointsResumeEveryRankBitForBit) {
                                     ": it is truncated"
                               : "refused by another rank";
   EXPECT_NE(resumed->skipped[0].find(why), std::string::npos) << resumed->skipped[0];
+  // The same stages placed in the V (stage_numbers) are another job: refused.
+  {
+    const auto mine = group().v_stages(n);
+    mpipe::ModelPipeline vee(
+        mpipe::ModelPipelineOptions().process_group(group()).stage_numbers(mine));
+    const auto model = make_model(n);
+    for (int64_t s : mine) vee->append(copy(model[static_cast<size_t>(s)]), "cpu");
+    torch::optim::Adam opt(vee->parameters(), torch::optim::AdamOptions(1e-2));
+    mpipe::JobCheckpoints v_checkpoints(dir, *vee, opt);
+    try {
+      v_checkpoints.resume();
+      ADD_FAILURE() << "a checkpoint of the contiguous job resumed the V";
+    } catch (const c10::Error& e) {
+      // The placement is part of the job: "... where this job has ' stages [1, 4]; ..."
+      const std::string want = c10::str("stages ", c10::ArrayRef<int64_t>(mine), ";");
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(want), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
   group().barrier();
   if (group().rank() == 0) mpipe_test::remove_tree(dir);
 }

@@ -87,11 +87,15 @@ MPIPE_FUNC void write_whole(const std::string& path, const std::string& bytes) {
               tmp, " to ", path, ": ", std::strerror(errno));
 }
 
-/// The job's shape as a checkpoint records it: rank, world size, and every
-/// parameter's and buffer's name, shape and dtype.
+/// The job's shape as a checkpoint records it: rank, world size, the stage
+/// numbers the rank declared (ModelPipelineOptions::stage_numbers, when it
+/// did), and every parameter's and buffer's name, shape and dtype.
 MPIPE_FUNC std::string job_shape(const ModelPipelineImpl& pipe, int64_t rank, int64_t world) {
   std::ostringstream out;
   out << "rank " << rank << " of " << world << ";";
+  if (!pipe.options.stage_numbers().empty()) {
+    out << " stages " << c10::ArrayRef<int64_t>(pipe.options.stage_numbers()) << ";";
+  }
   for (const auto& p : pipe.named_parameters()) {
     out << " " << p.key() << p.value().sizes() << p.value().scalar_type();
   }
