@@ -129,8 +129,10 @@ struct ScheduleChoice {
 // its workers, and its peak must not exceed memory_limit. Built-in
 // candidates, in this order: GPipe, 1F1B and ZB-H1; Interleaved1F1B when
 // virtual_stages > 1; ZB-V when the stages are even in number and stage s
-// shares a device with stage n-1-s (a V: all on one GPU, for one). Not
-// DualPipeV, whose pairs' overlap the model does not see. Auto takes
+// shares a device with stage n-1-s (a V: all on one GPU, for one), and
+// there DualPipeV with at least n micro-batches (its pairs charged F + B:
+// their overlap is not predicted, so it is taken only where its order alone
+// is faster). Auto takes
 // the fastest built-in that fits (times within a relative 1e-9 count as
 // equal); among equally fast ones, the one with the fewest peak bytes, then
 // the fewest peak activations, then the earlier in that list. If none fits,

@@ -136,7 +136,11 @@ inline ScheduleChoice choose_schedule(int64_t n_micro, int64_t n_stages,
   if (options.virtual_stages() > 1) candidates.push_back(Schedule::Interleaved1F1B);
   const auto places = detail::placements(n_stages, options.virtual_stages(), labels);
   for (size_t k = 1; k < places.size(); ++k) {  // the V, where the devices allow it
-    if (places[k] == detail::v_placement(n_stages)) candidates.push_back(Schedule::ZeroBubbleV);
+    if (places[k] != detail::v_placement(n_stages)) continue;
+    candidates.push_back(Schedule::ZeroBubbleV);
+    // DualPipeV's pairs charged F + B (Note [DualPipeV]): what it gains by
+    // overlapping them is not predicted.
+    if (n_micro >= n_stages) candidates.push_back(Schedule::DualPipeV);
   }
   for (Schedule s : candidates) {
     programs.push_back(programs_for(s, n_micro, n_stages, options.virtual_stages()));
