@@ -15,7 +15,8 @@
 # profile = one profiled call per measurement of mpipe_bench --only
 # $MPIPE_PROFILE_ONLY, summarised by bench/trace_summary.py (profile.txt, and
 # the traces as profiles.tar.gz); snn = the Fashion-MNIST SNN
-# training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS);
+# training (data from .devdata/fashion-mnist, extra flags in MPIPE_SNN_FLAGS, several
+# runs separated by ";", at once with MPIPE_SNN_PARALLEL=1);
 # lm = the transformer language model through the pipeline (default options:
 # its steps replayed from CUDA graphs), then eager (--graphs off), then --plain,
 # then --plain --micro-batches 1 (data
@@ -168,10 +169,29 @@ if [[ " $steps " == *" soak "* ]]; then
     --json '$out/soak_gpu.json' ${MPIPE_SOAK_ARGS:-} 2>&1 | tee -a '$log'"
 fi
 if [[ " $steps " == *" snn "* ]]; then
-  step snn_fashion_mnist bash -o pipefail -c "timeout ${MPIPE_SNN_TIMEOUT:-540} \
-    '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' --data .devdata/fashion-mnist \
-    --out /tmp/snn_out ${MPIPE_SNN_FLAGS:-} 2>&1 | tee -a '$log'"
-  [ -f /tmp/snn_out/accuracy.svg ] && cp /tmp/snn_out/accuracy.svg "$out/snn_accuracy.svg"
+  # MPIPE_SNN_FLAGS may hold several runs' flags separated by ';': one after
+  # the other, or all at once with MPIPE_SNN_PARALLEL=1 (for accuracy, not
+  # timing). Each run's log and plots come back in snn_runs.tar.gz.
+  IFS=';' read -r -a snn_runs <<< "${MPIPE_SNN_FLAGS:-}"
+  [ ${#snn_runs[@]} -eq 0 ] && snn_runs=("")
+  pids=()
+  for i in "${!snn_runs[@]}"; do
+    cmd="timeout ${MPIPE_SNN_TIMEOUT:-540} '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' \
+      --data .devdata/fashion-mnist --out /tmp/snn_runs/$i ${snn_runs[$i]} > /tmp/snn_runs/$i.log 2>&1"
+    mkdir -p /tmp/snn_runs
+    echo "snn run $i: ${snn_runs[$i]}" | tee -a "$log"
+    if [ "${MPIPE_SNN_PARALLEL:-0}" = 1 ]; then
+      bash -c "$cmd" & pids+=($!)
+    else
+      step "snn_$i" bash -c "$cmd"
+      tail -n 3 "/tmp/snn_runs/$i.log" | tee -a "$log"
+    fi
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { failed+=("snn_$i"); status=1; }
+    tail -n 3 "/tmp/snn_runs/$i.log" | tee -a "$log"
+  done
+  tar -czf "$out/snn_runs.tar.gz" --exclude="*.pt" -C /tmp snn_runs
 fi
 if [[ " $steps " == *" lm "* ]]; then
   for mode in pipeline pipeline_eager plain plain_whole_batch; do

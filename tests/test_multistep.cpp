@@ -274,13 +274,17 @@ TEST(MultiStepContainers, SpikingConvBlockMultiStepEqualsSingleSteps) {
   using mpipe::snn::SpikingConvBlock;
   using mpipe::snn::SpikingConvBlockOptions;
   const int64_t T = 4, N = 3;
-  for (bool lif : {false, true}) {
+  for (const std::string neuron : {"IF", "LIF", "ParametricLIF"}) {
     for (bool training : {true, false}) {
       for (int64_t pool : {0, 2}) {
-        SCOPED_TRACE(std::string(lif ? "LIF" : "IF") + " training=" + std::to_string(training) +
+        SCOPED_TRACE(neuron + " training=" + std::to_string(training) +
                      " pool=" + std::to_string(pool));
         auto options = SpikingConvBlockOptions(2, 4).pool(pool);
-        if (lif) options.neuron(LIFNodeOptions().surrogate(Surrogate::atan()));
+        if (neuron == "LIF") options.neuron(LIFNodeOptions().surrogate(Surrogate::atan()));
+        // Its learnable time constant gets a gradient summed over the steps.
+        if (neuron == "ParametricLIF") {
+          options.neuron(mpipe::snn::ParametricLIFNodeOptions().init_tau(3).surrogate(Surrogate::atan()));
+        }
         torch::manual_seed(9);
         SpikingConvBlock single(options);
         torch::manual_seed(9);

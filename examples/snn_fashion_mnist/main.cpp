@@ -10,8 +10,11 @@
 // sequence_forward. With --time-chunk K the stages are multi-step and take K
 // time steps per call. The output layer's firing rate over T steps is the
 // prediction; the loss is the MSE between the rate and the one-hot label.
+// With --loss ce the output layer is a Linear readout without neurons, whose
+// mean over T gives the logits of a cross-entropy loss and the prediction.
 
 #include "fashion_mnist.h"
+#include "plot.h"
 #include "training.h"
 
 #include <mpipe/autocast.h>
@@ -24,6 +27,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/functional/padding.h>
 #include <torch/nn/modules/pooling.h>
 #include <torch/optim/sgd.h>
@@ -44,12 +48,14 @@ namespace {
 
 struct Config {
   examples::CommonFlags common;
-  int64_t epochs = 0;  // 0: 50 on GPU, 4 on CPU (2 with --quick)
+  int64_t epochs = 0;  // 0: 60 on GPU, 4 on CPU (2 with --quick)
   int64_t batch_size = 128;
   int64_t time_steps = 0;  // 0: 8 on GPU, 4 on CPU
   double lr = 0.1;
   double momentum = 0.9;
-  double weight_decay = 0;  // SGD's L2 penalty
+  double weight_decay = 0;  // SGD's L2 penalty on the conv and linear weights
+  double label_smoothing = 0.1;  // the loss's target: (1 - e) one-hot + e / 10
+  double erase = 0.5;            // probability of random erasing per training image
   double ema = 0;           // decay of the evaluated weight average; 0: the weights themselves
   double dropout = 0;       // snn::Dropout before each Linear layer; 0: none
   // BatchNorm's training statistics in multi-step stages: "chunk", over the
@@ -70,6 +76,11 @@ struct Config {
   bool poisson = false;
   std::string precision = "fp32";
   std::string fc_neuron = "if";  // the fully connected layers' neurons: if or lif
+  std::string conv_neuron = "if";  // the conv blocks' neurons: if or plif
+  // mse: the output layer spikes, the loss is the MSE of its firing rates;
+  // ce: the output layer is a plain Linear read out as logits (their mean
+  // over T), the loss is the cross-entropy.
+  std::string loss = "ce";
   mpipe::distributed::ProcessGroup group;  // across processes: this rank's group
 };
 
@@ -81,14 +92,19 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   const auto neuron =
       snn::IFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
   const int64_t c = cfg.channels;
+  // PLIF: a learnable time constant per conv block (Fang et al. 2021).
+  snn::SpikingConvBlockOptions::Neuron conv_neuron = neuron;
+  if (cfg.conv_neuron == "plif") {
+    conv_neuron = snn::ParametricLIFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
+  }
   // Conv3x3 (no bias), BatchNorm (statistics over a multi-step chunk's T*N
   // rows, or per time step with --bn-stats step and in single-step mode),
   // IF, MaxPool2.
   const bool per_step = cfg.bn_stats == "step";
   nn::Sequential conv1(snn::SpikingConvBlock(
-      snn::SpikingConvBlockOptions(1, c).pool(2).neuron(neuron).step_batch_stats(per_step)));
+      snn::SpikingConvBlockOptions(1, c).pool(2).neuron(conv_neuron).step_batch_stats(per_step)));
   nn::Sequential conv2(snn::SpikingConvBlock(
-      snn::SpikingConvBlockOptions(c, c).pool(2).neuron(neuron).step_batch_stats(per_step)));
+      snn::SpikingConvBlockOptions(c, c).pool(2).neuron(conv_neuron).step_batch_stats(per_step)));
   nn::Sequential fc1, fc2;
   nn::Flatten flatten;
   nn::Linear linear1(nn::LinearOptions(c * 7 * 7, cfg.hidden).bias(false));
@@ -109,6 +125,7 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
   // LIF (tau 2) in the fully connected part, or IF as in the conv blocks.
   const auto lif = snn::LIFNodeOptions().surrogate(snn::Surrogate::atan()).detach_reset(true).step_mode(mode);
   for (auto* fc : {&fc1, &fc2}) {
+    if (fc == &fc2 && cfg.loss == "ce") break;  // the readout: no neuron
     if (cfg.fc_neuron == "lif") {
       (*fc)->push_back(snn::LIFNode(lif));
     } else {
@@ -129,6 +146,24 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
     }
   }
   return pipe;
+}
+
+/// Random erasing (Zhong et al. 2017): with probability `p` an image gets a
+/// rectangle of 2-40 % of its area, aspect ratio 0.3-3.3, set to 0.
+torch::Tensor erase(const torch::Tensor& x, double p) {
+  const int64_t n = x.size(0), h = x.size(2), w = x.size(3);
+  const auto u = torch::rand({n, 5, 1, 1}, x.options());  // all draws at once, on the device
+  const auto area = (0.02 + 0.38 * u.select(1, 0)) * static_cast<double>(h * w);
+  const auto ratio = torch::exp(std::log(0.3) + (std::log(3.3) - std::log(0.3)) * u.select(1, 1));
+  const auto eh = torch::sqrt(area * ratio).round().clamp(1, h);
+  const auto ew = torch::sqrt(area / ratio).round().clamp(1, w);
+  const auto y0 = (u.select(1, 2) * (h - eh + 1)).floor();
+  const auto x0 = (u.select(1, 3) * (w - ew + 1)).floor();
+  const auto rows = torch::arange(h, x.options()).view({1, h, 1});
+  const auto cols = torch::arange(w, x.options()).view({1, 1, w});
+  const auto inside = (rows >= y0) & (rows < y0 + eh) & (cols >= x0) & (cols < x0 + ew) &
+                      (u.select(1, 4) < p);
+  return x.masked_fill(inside.unsqueeze(1), 0);
 }
 
 /// Random crops (the image shifted by up to `pad` pixels each way, zeros
@@ -172,52 +207,52 @@ std::unique_ptr<mpipe::AutocastGuard> precision_scope(const Config& cfg, const t
   return std::make_unique<mpipe::AutocastGuard>(d.type(), torch::kBFloat16);
 }
 
-/// An SVG plot of the train and test accuracy per epoch.
-void write_accuracy_svg(const std::string& path, const std::vector<double>& train,
-                        const std::vector<double>& test, const std::string& title) {
-  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
-  const double lo = std::max(0.0, std::floor(20 * std::min(*std::min_element(test.begin(), test.end()),
-                                                          *std::min_element(train.begin(), train.end()))) / 20);
-  const double hi = 1.0;
-  const size_t n = test.size();
-  auto px = [&](size_t i) { return left + (W - left - right) * (n > 1 ? double(i) / double(n - 1) : 0.5); };
-  auto py = [&](double a) { return top + (H - top - bottom) * (hi - a) / (hi - lo); };
-  std::ofstream f(path);
-  f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n";
-  for (double a = lo; a <= hi + 1e-9; a += 0.01) {  // grid: every 1 %, labelled every 5 %
-    const bool major = std::fmod(std::round(a * 100), 5) == 0;
-    f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(a) << "\" y2=\"" << py(a)
-      << "\" stroke=\"" << (major ? "#bbb" : "#eee") << "\"/>\n";
-    if (major) {
-      f << "<text x=\"" << left - 6 << "\" y=\"" << py(a) + 4 << "\" text-anchor=\"end\">"
-        << std::lround(a * 100) << " %</text>\n";
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (n <= 20 || (i + 1) % 10 == 0 || i == 0) {
-      f << "<text x=\"" << px(i) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\">" << i + 1
-        << "</text>\n";
-    }
-  }
-  f << "<text x=\"" << W / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">epoch</text>\n";
-  auto line = [&](const std::vector<double>& v, const char* colour, const char* name, double ly) {
-    f << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\"";
-    for (size_t i = 0; i < v.size(); ++i) f << px(i) << "," << py(std::max(v[i], lo)) << " ";
-    f << "\"/>\n<text x=\"" << W - right - 120 << "\" y=\"" << ly << "\" fill=\"" << colour << "\">" << name
-      << "</text>\n";
+/// What the first line says of the recipe beyond the defaults' settings.
+std::string recipe_extras(const Config& cfg, bool multi_step) {
+  std::string out;
+  char buf[96];
+  auto add = [&](const char* format, double value) {
+    std::snprintf(buf, sizeof buf, format, value);
+    out += buf;
   };
-  line(train, "#d62728", "train accuracy", H - bottom - 30);
-  line(test, "#1f77b4", "test accuracy", H - bottom - 14);
-  f << "</svg>\n";
+  if (multi_step) out += ", BatchNorm per " + cfg.bn_stats;
+  if (cfg.conv_neuron == "plif") out += ", PLIF conv neurons";
+  if (cfg.loss == "ce") out += ", Linear readout and cross-entropy";
+  if (cfg.label_smoothing > 0) add(", label smoothing %g", cfg.label_smoothing);
+  if (cfg.weight_decay > 0) add(", weight decay %g", cfg.weight_decay);
+  if (cfg.dropout > 0) add(", dropout %g", cfg.dropout);
+  if (cfg.ema > 0) add(", weights averaged (EMA %g)", cfg.ema);
+  return out;
 }
 
-/// Test accuracy (fraction) of `pipe` on `test`.
-double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const Config& cfg) {
+/// The loss of the output's mean over T steps [N, 10]: with --loss mse the
+/// MSE between the firing rates and the one-hot labels, with --loss ce the
+/// cross-entropy of the logits; either with the labels smoothed by
+/// --label-smoothing.
+torch::Tensor loss_of(const torch::Tensor& mean, const torch::Tensor& labels, const Config& cfg) {
+  const double e = cfg.label_smoothing;
+  if (cfg.loss == "ce") {
+    namespace F = torch::nn::functional;
+    return F::cross_entropy(mean, labels, F::CrossEntropyFuncOptions().label_smoothing(e));
+  }
+  if (e == 0) return mpipe::snn::rate_mse_loss(mean, labels);
+  // (1 - e) one-hot + e / 10, without one_hot's check of the labels on the host
+  const auto target = torch::full_like(mean, e / mean.size(1))
+                          .scatter_(1, labels.unsqueeze(1), 1 - e + e / mean.size(1));
+  return torch::mse_loss(mean, target);
+}
+
+struct Evaluation {
+  double accuracy = 0;  // fraction
+  double loss = 0;      // loss_of's mean
+};
+
+/// Accuracy and loss of `pipe` on `test` (on the last rank; 0 on the others).
+Evaluation evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const Config& cfg) {
   torch::NoGradGuard no_grad;
   pipe->eval();
   torch::Tensor correct = torch::zeros({}, torch::kLong).to(pipe->output_device());
+  torch::Tensor loss = torch::zeros({}).to(pipe->output_device());
   for (int64_t start = 0; start < test.size(); start += cfg.test_batch) {
     const int64_t n = std::min(cfg.test_batch, test.size() - start);
     auto x = test.images.narrow(0, start, n);
@@ -229,10 +264,39 @@ double evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, const
     }
     mpipe::reset_states(*pipe);
     if (!sum.defined()) continue;  // a rank before the last
-    correct += mpipe::snn::predict(mpipe::snn::rate_from_sum(sum, cfg.time_steps)).eq(y).sum();
+    const auto mean = mpipe::snn::rate_from_sum(sum, cfg.time_steps).to(torch::kFloat);
+    correct += mpipe::snn::predict(mean).eq(y).sum();
+    loss += loss_of(mean, y, cfg) * n;
   }
   pipe->train();
-  return static_cast<double>(correct.item<int64_t>()) / static_cast<double>(test.size());
+  const auto size = static_cast<double>(test.size());
+  return {static_cast<double>(correct.item<int64_t>()) / size, loss.item<double>() / size};
+}
+
+/// accuracy.svg (train and test accuracy per epoch) and loss.svg (the
+/// training loss and the test loss per epoch) in `dir`.
+void write_plots(const std::string& dir, const Config& cfg, double train_seconds, double last,
+                 const std::vector<double>& train_acc, const std::vector<double>& test_acc,
+                 const std::vector<double>& train_loss, const std::vector<double>& test_loss) {
+  char title[200];
+  std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: final test accuracy %.2f %% after %s of training",
+                static_cast<long long>(cfg.common.seed), 100 * last,
+                examples::format_duration(train_seconds).c_str());
+  const double lo = std::floor(20 * std::min(*std::min_element(test_acc.begin(), test_acc.end()),
+                                             *std::min_element(train_acc.begin(), train_acc.end()))) / 20;
+  examples::write_epoch_plot(dir + "/accuracy.svg", title,
+                             {{"train accuracy", "#d62728", train_acc}, {"test accuracy", "#1f77b4", test_acc}},
+                             lo, 1.0, 1 - lo > 0.1 ? 0.02 : 0.01, true);
+  double top = 0;
+  for (const auto* v : {&train_loss, &test_loss}) top = std::max(top, *std::max_element(v->begin(), v->end()));
+  double tick = 1e-4;  // 1, 2 or 5 times a power of ten, at most 8 lines
+  for (int i = 0; top / tick > 8; ++i) tick *= (i % 3 == 1) ? 2.5 : 2;
+  std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: %s per epoch",
+                static_cast<long long>(cfg.common.seed),
+                cfg.loss == "ce" ? "cross-entropy of the readout" : "MSE of the firing rates");
+  examples::write_epoch_plot(dir + "/loss.svg", title,
+                             {{"training loss", "#d62728", train_loss}, {"test loss", "#1f77b4", test_loss}},
+                             0, std::ceil(top / tick) * tick, tick, false);
 }
 
 int run(Config cfg) {
@@ -248,14 +312,11 @@ int run(Config cfg) {
     if (common.test_limit == 0) common.test_limit = 2000;
     cfg.test_batch = std::min<int64_t>(cfg.test_batch, 250);  // large CPU batches are slower
   }
-  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 50 : 4);
+  if (cfg.epochs == 0) cfg.epochs = common.quick ? 2 : (cuda ? 60 : 4);
   if (cfg.time_steps == 0) cfg.time_steps = cuda && !common.quick ? 8 : 4;
   // On the CPU single-step stages measured faster for this model (README.md).
   if (cfg.time_chunk < 0 && !cuda) cfg.time_chunk = 0;
   const bool augmenting = !cfg.no_augment && !common.quick;
-  if (cfg.fc_neuron != "if" && cfg.fc_neuron != "lif") {
-    throw std::runtime_error("--fc-neuron must be if or lif, got " + cfg.fc_neuron);
-  }
   if (cfg.precision != "fp32" && cfg.precision != "bf16") {
     throw std::runtime_error("--precision must be fp32 or bf16, got " + cfg.precision);
   }
@@ -294,27 +355,35 @@ int run(Config cfg) {
               : cfg.time_chunk < 0 ? "time chunks of the pipeline's choice"
                                    : "single-step stages",
               cfg.poisson ? "Poisson frames" : "image held for T steps",
-              augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + " and flip").c_str()
+              augmenting ? ("crop +-" + std::to_string(cfg.crop_pad) + ", flip" +
+                            (cfg.erase > 0 ? ", random erasing " + std::to_string(cfg.erase).substr(0, 4) : "")).c_str()
                          : "no augmentation",
               cfg.precision.c_str(),
-              ((multi_step ? ", BatchNorm per " + cfg.bn_stats : std::string()) +
-               (cfg.dropout > 0 ? ", dropout " + std::to_string(cfg.dropout).substr(0, 4) : std::string()) +
-               (cfg.ema > 0 ? ", weights averaged (EMA " + std::to_string(cfg.ema).substr(0, 6) + ")"
-                            : std::string()))
-                  .c_str(),
+              recipe_extras(cfg, multi_step).c_str(),
               common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
     torch::load(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
-    const double acc = evaluate(pipe, test, cfg);
+    const double acc = evaluate(pipe, test, cfg).accuracy;
     if (!report) return 0;
     std::printf("test accuracy of %s: %.2f%%\n", cfg.eval_path.c_str(), 100 * acc);
     return examples::accuracy_exit_code(acc, common.min_accuracy);
   }
 
-  torch::optim::SGD opt(pipe->parameters(),
-                        torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(
-                            cfg.weight_decay));
+  // Weight decay on the conv and linear weights only: not on BatchNorm's
+  // scales and shifts, nor on PLIF's time constants.
+  const auto sgd = torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum);
+  std::vector<torch::Tensor> decayed, undecayed;
+  for (const auto& p : pipe->parameters()) (p.dim() > 1 ? decayed : undecayed).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decayed.empty()) {
+    groups.emplace_back(decayed, std::make_unique<torch::optim::SGDOptions>(
+                                     torch::optim::SGDOptions(sgd).weight_decay(cfg.weight_decay)));
+  }
+  if (!undecayed.empty()) {
+    groups.emplace_back(undecayed, std::make_unique<torch::optim::SGDOptions>(sgd));
+  }
+  torch::optim::SGD opt(groups, sgd);
   // --ema: the average is what is evaluated and saved (Note [Averaged weights]).
   std::unique_ptr<examples::WeightAverage> average;
   if (cfg.ema > 0) average = std::make_unique<examples::WeightAverage>(*pipe, cfg.ema);
@@ -323,7 +392,7 @@ int run(Config cfg) {
   int64_t step = 0;
   double best = 0, last = 0, train_seconds = 0;
   int64_t best_epoch = 0;
-  std::vector<double> train_curve, test_curve;
+  std::vector<double> train_curve, test_curve, loss_curve, test_loss_curve;
   // --resume: the epoch, its order, its running sums, the curves and the
   // weight average where the checkpoint left them (Note [Resuming the
   // examples] in training.h).
@@ -338,8 +407,15 @@ int run(Config cfg) {
     best_epoch = resumed->integer("best_epoch");
     train_curve = resumed->reals("train_curve");
     test_curve = resumed->reals("test_curve");
+    loss_curve = resumed->reals("loss_curve");
+    test_loss_curve = resumed->reals("test_loss_curve");
     if (average) average->restore(resumed->tensors("average"), resumed->integer("average_updates"));
   }
+  // Sums stay on the device: one read-back per epoch. The loss function adds
+  // to `correct`, so it is one tensor for the whole run: a training step
+  // replayed from a CUDA graph adds to the tensor its capture saw.
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(devices.back()));
+  torch::Tensor correct = torch::zeros({}, torch::TensorOptions(devices.back()).dtype(torch::kLong));
   const auto t_start = examples::Clock::now();
   for (int64_t epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     const auto t_epoch = examples::Clock::now();
@@ -348,27 +424,27 @@ int run(Config cfg) {
     auto order = examples::epoch_order(train.size(), order_state);
     auto order_in = order.to(devices.front());
     auto order_out = order.to(devices.back());
-    // Sums stay on the device: one read-back per epoch.
-    torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(devices.back()));
-    torch::Tensor correct = torch::zeros({}, torch::TensorOptions(devices.back()).dtype(torch::kLong));
+    loss_sum.zero_();
+    correct.zero_();
     if (resuming) {
-      loss_sum = resumed->tensor("loss_sum").to(devices.back());
-      correct = resumed->tensor("correct").to(devices.back());
+      loss_sum.copy_(resumed->tensor("loss_sum"));
+      correct.copy_(resumed->tensor("correct"));
     }
     for (int64_t start = resuming ? first_start : 0; start < train.size();
          start += cfg.batch_size, ++step) {
       const int64_t n = std::min(cfg.batch_size, train.size() - start);
       auto x = train.images.index_select(0, order_in.narrow(0, start, n));
       if (augmenting) x = augment(x, cfg.crop_pad);
+      if (augmenting && cfg.erase > 0) x = erase(x, cfg.erase);
       auto y = train.labels.index_select(0, order_out.narrow(0, start, n));
       examples::set_cosine_lr<torch::optim::SGDOptions>(opt, cfg.lr, step, total_steps);
       const bool recorded = examples::begin_recorded_step(pipe, common, step);
-      // The loss of the firing rates over T steps (on the last stage, the
+      // The loss of the output's mean over T steps (on the last stage, the
       // last rank across processes); the states are reset before and after.
-      auto loss_fn = [&](const torch::Tensor& spike_sum, const torch::Tensor& labels) {
-        const auto rate = mpipe::snn::rate_from_sum(spike_sum, cfg.time_steps);
-        correct += mpipe::snn::predict(rate.detach()).eq(labels).sum();
-        return mpipe::snn::rate_mse_loss(rate, labels);
+      auto loss_fn = [&](const torch::Tensor& summed, const torch::Tensor& labels) {
+        const auto mean = mpipe::snn::rate_from_sum(summed, cfg.time_steps);
+        correct += mpipe::snn::predict(mean.detach()).eq(labels).sum();
+        return loss_of(mean, labels, cfg);
       };
       opt.zero_grad();
       torch::Tensor loss;
@@ -399,6 +475,8 @@ int run(Config cfg) {
         at.set("best_epoch", best_epoch);
         at.set("train_curve", train_curve);
         at.set("test_curve", test_curve);
+        at.set("loss_curve", loss_curve);
+        at.set("test_loss_curve", test_loss_curve);
         at.set("average", average ? average->average() : std::vector<torch::Tensor>());
         at.set("average_updates", average ? average->updates() : int64_t{0});
         return at;
@@ -408,12 +486,16 @@ int run(Config cfg) {
     const double train_acc = static_cast<double>(correct.item<int64_t>()) / train.size();
     const double epoch_train_s = examples::seconds_since(t_epoch);
     train_seconds += epoch_train_s;
+    Evaluation tested;
     {
       const examples::WeightAverage::Applied averaged(average.get());
-      last = evaluate(pipe, test, cfg);
+      tested = evaluate(pipe, test, cfg);
     }
+    last = tested.accuracy;
     train_curve.push_back(train_acc);
     test_curve.push_back(last);
+    loss_curve.push_back(mean_loss);
+    test_loss_curve.push_back(tested.loss);
     if (last > best) {
       best = last;
       best_epoch = epoch;
@@ -435,17 +517,15 @@ int run(Config cfg) {
     std::printf("weights of this rank's stages saved to %s\n", path.c_str());
     return 0;
   }
-  const std::string plot = common.out + "/accuracy.svg";
-  char title[200];
-  std::snprintf(title, sizeof title, "snn_fashion_mnist: final test accuracy %.2f %% after %s of training",
-                100 * last, examples::format_duration(train_seconds).c_str());
-  write_accuracy_svg(plot, train_curve, test_curve, title);
+  write_plots(common.out, cfg, train_seconds, last, train_curve, test_curve, loss_curve,
+              test_loss_curve);
   std::printf("final test accuracy %.2f%% (best %.2f%% at epoch %lld); %s of training "
-              "(%s with evaluation); weights saved to %s, accuracy plot to %s\n",
+              "(%s with evaluation); weights saved to %s, accuracy and loss plots to "
+              "%s/accuracy.svg and %s/loss.svg\n",
               100 * last, 100 * best, static_cast<long long>(best_epoch),
               examples::format_duration(train_seconds).c_str(),
               examples::format_duration(examples::seconds_since(t_start)).c_str(), path.c_str(),
-              plot.c_str());
+              common.out.c_str(), common.out.c_str());
   return examples::accuracy_exit_code(last, common.min_accuracy);
 }
 
@@ -455,7 +535,7 @@ int main(int argc, char** argv) {
   Config cfg;
   cfg.common.out = "snn_fashion_mnist_out";
   CLI::App app{"Train a convolutional SNN on Fashion-MNIST through an mpipe pipeline"};
-  app.add_option("--epochs", cfg.epochs, "epochs (default: 50 on GPU, 4 on CPU, 2 with --quick)");
+  app.add_option("--epochs", cfg.epochs, "epochs (default: 60 on GPU, 4 on CPU, 2 with --quick)");
   app.add_option("-b,--batch-size", cfg.batch_size, "training batch size")
       ->check(CLI::PositiveNumber);
   app.add_option("-T,--time-steps", cfg.time_steps, "time steps per image (default: 8 on GPU, 4 on "
@@ -467,8 +547,22 @@ int main(int argc, char** argv) {
                  "evaluate and save an exponential moving average of the weights with this "
                  "decay (e.g. 0.999); 0, the default: the weights themselves")
       ->check(CLI::Range(0.0, 0.999999));
-  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay (L2), default 0")
+  app.add_option("--weight-decay", cfg.weight_decay,
+                 "SGD weight decay (L2) of the conv and linear weights (not BatchNorm's, nor PLIF's "
+                 "time constants), default 0")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--loss", cfg.loss,
+                 "ce: the output layer is a Linear readout without neurons, its mean over T the "
+                 "logits of a cross-entropy (default); mse: the output layer spikes (IF or LIF), "
+                 "the loss is the MSE of its firing rates")
+      ->check(CLI::IsMember({"mse", "ce"}));
+  app.add_option("--label-smoothing", cfg.label_smoothing,
+                 "the loss's target: (1 - E) one-hot + E / 10; default 0.1")
+      ->check(CLI::Range(0.0, 0.5));
+  app.add_option("--erase", cfg.erase,
+                 "random erasing: the probability that a training image gets a zeroed rectangle "
+                 "(2-40 % of its area); default 0.5; off with --no-augment and --quick")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--dropout", cfg.dropout,
                  "drop probability of snn::Dropout (one mask for all T steps) before each "
                  "Linear layer; default 0, none")
@@ -503,7 +597,11 @@ int main(int argc, char** argv) {
                "feed Poisson spike frames (a new draw every step) through sequence_forward instead "
                "of holding the image for T steps");
   app.add_option("--precision", cfg.precision, "fp32, or bf16 (autocast over fp32 weights)");
-  app.add_option("--fc-neuron", cfg.fc_neuron, "neurons of the fully connected layers: if or lif (tau 2)");
+  app.add_option("--fc-neuron", cfg.fc_neuron, "neurons of the fully connected layers: if or lif (tau 2)")
+      ->check(CLI::IsMember({"if", "lif"}));
+  app.add_option("--conv-neuron", cfg.conv_neuron,
+                 "neurons of the conv blocks: if, or plif (a learnable time constant, from tau 2)")
+      ->check(CLI::IsMember({"if", "plif"}));
   examples::add_common_flags(
       app, cfg.common, "a brief run for CPUs: small model, 4000 train / 2000 test images, 2 epochs");
   CLI11_PARSE(app, argc, argv);

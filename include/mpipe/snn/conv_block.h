@@ -26,8 +26,8 @@ namespace snn {
 
 /// Options of SpikingConvBlock: the convolution, BatchNorm, neuron and pooling.
 struct SpikingConvBlockOptions {
-  /// IF or LIF neuron options.
-  using Neuron = std::variant<IFNodeOptions, LIFNodeOptions>;
+  /// IF, LIF or ParametricLIF neuron options.
+  using Neuron = std::variant<IFNodeOptions, LIFNodeOptions, ParametricLIFNodeOptions>;
 
   /// A kernel_size x kernel_size convolution with "same" padding and no bias
   /// (the BatchNorm after it has one); change any of that through conv().
@@ -39,8 +39,8 @@ struct SpikingConvBlockOptions {
   TORCH_ARG(torch::nn::Conv2dOptions, conv);
   /// BatchNorm2d(out_channels) after the convolution.
   TORCH_ARG(bool, batch_norm) = true;
-  /// The neuron, IF or LIF; its step_mode() is the block's (set_step_mode
-  /// changes both).
+  /// The neuron, IF, LIF or ParametricLIF; its step_mode() is the block's
+  /// (set_step_mode changes both).
   TORCH_ARG(Neuron, neuron) = IFNodeOptions();
   /// MaxPool2d(pool) after the neuron (kernel and stride); 0: no pooling.
   TORCH_ARG(int64_t, pool) = 0;
@@ -53,7 +53,7 @@ struct SpikingConvBlockOptions {
   TORCH_ARG(bool, step_batch_stats) = true;
 };
 
-/// Conv2d -> BatchNorm2d -> IF or LIF neuron (-> MaxPool2d), in either step
+/// Conv2d -> BatchNorm2d -> IF, LIF or ParametricLIF neuron (-> MaxPool2d), in either step
 /// mode (the neuron's).
 class SpikingConvBlockImpl : public torch::nn::Module {
  public:
@@ -71,8 +71,10 @@ class SpikingConvBlockImpl : public torch::nn::Module {
           using O = std::decay_t<decltype(o)>;
           if constexpr (std::is_same<O, IFNodeOptions>::value) {
             return std::make_shared<IFNodeImpl>(o);
-          } else {
+          } else if constexpr (std::is_same<O, LIFNodeOptions>::value) {
             return std::make_shared<LIFNodeImpl>(o);
+          } else {
+            return std::make_shared<ParametricLIFNodeImpl>(o);
           }
         },
         options.neuron());
@@ -120,7 +122,8 @@ class SpikingConvBlockImpl : public torch::nn::Module {
   torch::nn::Conv2d conv{nullptr};
   /// The BatchNorm, or empty without options.batch_norm().
   torch::nn::BatchNorm2d bn{nullptr};
-  /// The neuron (an IFNodeImpl or LIFNodeImpl); its step mode is the block's.
+  /// The neuron (an IFNodeImpl, LIFNodeImpl or ParametricLIFNodeImpl); its
+  /// step mode is the block's.
   std::shared_ptr<NeuronBase> neuron;
   /// The max-pooling, or empty when options.pool() is 0.
   torch::nn::MaxPool2d pool{nullptr};
