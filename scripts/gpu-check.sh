@@ -175,6 +175,7 @@ if [[ " $steps " == *" snn "* ]]; then
   IFS=';' read -r -a snn_runs <<< "${MPIPE_SNN_FLAGS:-}"
   [ ${#snn_runs[@]} -eq 0 ] && snn_runs=("")
   pids=()
+  rm -rf /tmp/snn_runs  # a warm machine keeps the last call's
   for i in "${!snn_runs[@]}"; do
     cmd="timeout ${MPIPE_SNN_TIMEOUT:-540} '$bin/examples/snn_fashion_mnist/snn_fashion_mnist' \
       --data .devdata/fashion-mnist --out /tmp/snn_runs/$i ${snn_runs[$i]} > /tmp/snn_runs/$i.log 2>&1"

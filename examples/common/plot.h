@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,15 +19,38 @@ struct PlotLine {
   std::vector<double> values;
 };
 
-/// Writes `lines` to `path` as a 640x400 SVG over [lo, hi] (a value outside is
-/// drawn at the edge), with grid lines every `tick`, labelled in per cent when
-/// `percent` (values are fractions then), and the epochs along the bottom.
+/// Grid spacing for a value range: 1, 2 or 5 times a power of ten, with at
+/// most `max_lines` steps across `range`.
+inline double nice_tick(double range, int max_lines) {
+  if (!(range > 0)) return 1;
+  double tick = std::pow(10.0, std::floor(std::log10(range / max_lines)));
+  for (int i = 0; range / tick > max_lines; ++i) tick *= (i % 3 == 1) ? 2.5 : 2;  // 1, 2, 5, 10, ...
+  return tick;
+}
+
+/// Writes `lines` to `path` as a 640x400 SVG, the epochs along the bottom.
+/// The value axis spans the values, out to the grid lines around them (at
+/// most 10 steps); `floor` and `ceiling`, where given, fix its ends (0 for a
+/// loss, 1 for an accuracy). Labels are in per cent when `percent` (values
+/// are fractions then). Writes nothing when there are no values.
 inline void write_epoch_plot(const std::string& path, const std::string& title,
-                             const std::vector<PlotLine>& lines, double lo, double hi, double tick,
-                             bool percent) {
-  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
+                             const std::vector<PlotLine>& lines, bool percent,
+                             std::optional<double> floor = {}, std::optional<double> ceiling = {}) {
+  double lo = floor.value_or(INFINITY), hi = ceiling.value_or(-INFINITY);
   size_t n = 0;
-  for (const auto& l : lines) n = std::max(n, l.values.size());
+  for (const auto& l : lines) {
+    n = std::max(n, l.values.size());
+    for (double v : l.values) {
+      if (!floor) lo = std::min(lo, v);
+      if (!ceiling) hi = std::max(hi, v);
+    }
+  }
+  if (n == 0) return;
+  if (!(hi > lo)) hi = lo + 1;  // one value throughout
+  const double tick = nice_tick(hi - lo, 10);
+  lo = std::floor(lo / tick + 1e-9) * tick;
+  hi = std::ceil(hi / tick - 1e-9) * tick;
+  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
   auto px = [&](size_t i) { return left + (W - left - right) * (n > 1 ? double(i) / double(n - 1) : 0.5); };
   auto py = [&](double v) { return top + (H - top - bottom) * (hi - std::clamp(v, lo, hi)) / (hi - lo); };
   std::ofstream f(path);

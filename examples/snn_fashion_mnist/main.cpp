@@ -1,17 +1,18 @@
 // A convolutional spiking network trained on Fashion-MNIST with
 // mpipe::ModelPipeline::constant_train_step over T time steps. See README.md.
 //
-//   {Conv3x3(C)-BN-IF-MaxPool2} x 2 -> Linear(C*49, H)-IF -> Linear(H, 10)-IF
+//   {Conv3x3(C)-BN-IF-MaxPool2} x 2 -> Linear(C*49, H)-IF -> Linear(H, 10)
 //
 // (with --dropout, an snn::Dropout before each Linear layer)
 //
 // The image is fed directly (the first Conv-BN-IF layer encodes it as
 // spikes), or, with --poisson, as Poisson spike frames through
 // sequence_forward. With --time-chunk K the stages are multi-step and take K
-// time steps per call. The output layer's firing rate over T steps is the
-// prediction; the loss is the MSE between the rate and the one-hot label.
-// With --loss ce the output layer is a Linear readout without neurons, whose
-// mean over T gives the logits of a cross-entropy loss and the prediction.
+// time steps per call. The output layer is a Linear readout without neurons:
+// its mean over the T steps gives the logits of a cross-entropy loss (labels
+// smoothed) and the prediction. With --loss mse it is followed by IF neurons,
+// whose firing rate is the prediction, and the loss is the MSE between the
+// rate and the one-hot label.
 
 #include "fashion_mnist.h"
 #include "plot.h"
@@ -149,7 +150,8 @@ mpipe::ModelPipeline build_model(const Config& cfg, const std::vector<torch::Dev
 }
 
 /// Random erasing (Zhong et al. 2017): with probability `p` an image gets a
-/// rectangle of 2-40 % of its area, aspect ratio 0.3-3.3, set to 0.
+/// rectangle of 2-40 % of its area (less where the aspect ratio, 0.3-3.3,
+/// makes a side longer than the image's), set to 0.
 torch::Tensor erase(const torch::Tensor& x, double p) {
   const int64_t n = x.size(0), h = x.size(2), w = x.size(3);
   const auto u = torch::rand({n, 5, 1, 1}, x.options());  // all draws at once, on the device
@@ -235,8 +237,7 @@ torch::Tensor loss_of(const torch::Tensor& mean, const torch::Tensor& labels, co
     namespace F = torch::nn::functional;
     return F::cross_entropy(mean, labels, F::CrossEntropyFuncOptions().label_smoothing(e));
   }
-  if (e == 0) return mpipe::snn::rate_mse_loss(mean, labels);
-  // (1 - e) one-hot + e / 10, without one_hot's check of the labels on the host
+  // (1 - e) one-hot + e / 10
   const auto target = torch::full_like(mean, e / mean.size(1))
                           .scatter_(1, labels.unsqueeze(1), 1 - e + e / mean.size(1));
   return torch::mse_loss(mean, target);
@@ -282,21 +283,15 @@ void write_plots(const std::string& dir, const Config& cfg, double train_seconds
   std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: final test accuracy %.2f %% after %s of training",
                 static_cast<long long>(cfg.common.seed), 100 * last,
                 examples::format_duration(train_seconds).c_str());
-  const double lo = std::floor(20 * std::min(*std::min_element(test_acc.begin(), test_acc.end()),
-                                             *std::min_element(train_acc.begin(), train_acc.end()))) / 20;
   examples::write_epoch_plot(dir + "/accuracy.svg", title,
                              {{"train accuracy", "#d62728", train_acc}, {"test accuracy", "#1f77b4", test_acc}},
-                             lo, 1.0, 1 - lo > 0.1 ? 0.02 : 0.01, true);
-  double top = 0;
-  for (const auto* v : {&train_loss, &test_loss}) top = std::max(top, *std::max_element(v->begin(), v->end()));
-  double tick = 1e-4;  // 1, 2 or 5 times a power of ten, at most 8 lines
-  for (int i = 0; top / tick > 8; ++i) tick *= (i % 3 == 1) ? 2.5 : 2;
+                             /*percent=*/true, std::nullopt, 1.0);
   std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: %s per epoch",
                 static_cast<long long>(cfg.common.seed),
                 cfg.loss == "ce" ? "cross-entropy of the readout" : "MSE of the firing rates");
   examples::write_epoch_plot(dir + "/loss.svg", title,
                              {{"training loss", "#d62728", train_loss}, {"test loss", "#1f77b4", test_loss}},
-                             0, std::ceil(top / tick) * tick, tick, false);
+                             /*percent=*/false, 0.0);
 }
 
 int run(Config cfg) {
@@ -535,7 +530,8 @@ int main(int argc, char** argv) {
   Config cfg;
   cfg.common.out = "snn_fashion_mnist_out";
   CLI::App app{"Train a convolutional SNN on Fashion-MNIST through an mpipe pipeline"};
-  app.add_option("--epochs", cfg.epochs, "epochs (default: 60 on GPU, 4 on CPU, 2 with --quick)");
+  app.add_option("--epochs", cfg.epochs, "epochs (default: 60 on GPU, 4 on CPU, 2 with --quick)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("-b,--batch-size", cfg.batch_size, "training batch size")
       ->check(CLI::PositiveNumber);
   app.add_option("-T,--time-steps", cfg.time_steps, "time steps per image (default: 8 on GPU, 4 on "
@@ -561,7 +557,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 0.5));
   app.add_option("--erase", cfg.erase,
                  "random erasing: the probability that a training image gets a zeroed rectangle "
-                 "(2-40 % of its area); default 0.5; off with --no-augment and --quick")
+                 "(up to 40 % of its area); default 0.5; off with --no-augment and --quick")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--dropout", cfg.dropout,
                  "drop probability of snn::Dropout (one mask for all T steps) before each "
@@ -589,7 +585,7 @@ int main(int argc, char** argv) {
                  "neuron state and batch statistics (default 0: the pipeline's choice)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-augment", cfg.no_augment,
-               "no random crops and flips of the training images (always off with --quick)");
+               "no random crops, flips and erasing of the training images (always off with --quick)");
   app.add_option("--crop-pad", cfg.crop_pad,
                  "random crops shift the image by up to this many pixels (default 0: flips only)")
       ->check(CLI::NonNegativeNumber);
