@@ -274,6 +274,32 @@ Evaluation evaluate(mpipe::ModelPipeline& pipe, const examples::Dataset& test, c
   return {static_cast<double>(correct.item<int64_t>()) / size, loss.item<double>() / size};
 }
 
+/// --eval: loads `path` into `pipe`, which must have the layers the file
+/// has. torch::load fills the layers a model has and ignores the others, so
+/// weights saved with the spiking output (--loss mse, the default before
+/// 2026-12-07) would otherwise load into the readout without a word.
+void load_same_model(mpipe::ModelPipeline& pipe, const std::string& path) {
+  const char* hint = ": give --eval the model flags it was trained with (--loss, --conv-neuron, "
+                     "--fc-neuron, --channels, --hidden, --dropout; weights saved before "
+                     "2026-12-07 need --loss mse)";
+  try {
+    torch::load(pipe, path);
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(path + " does not fit this model (" + e.what_without_backtrace() + ")" + hint);
+  }
+  torch::serialize::InputArchive archive, stages;
+  archive.load_from(path);
+  if (!archive.try_read("stages", stages)) return;
+  for (size_t k = 0; k < pipe->size(); ++k) {
+    torch::serialize::InputArchive saved, extra;
+    const auto layers = pipe->named_children()["stages"]->children()[k]->children().size();
+    if (stages.try_read(std::to_string(k), saved) && saved.try_read(std::to_string(layers), extra)) {
+      throw std::runtime_error(path + " has more layers in stage " + std::to_string(k) +
+                               " than this model (" + std::to_string(layers) + ")" + hint);
+    }
+  }
+}
+
 /// accuracy.svg (train and test accuracy per epoch) and loss.svg (the
 /// training loss and the test loss per epoch) in `dir`.
 void write_plots(const std::string& dir, const Config& cfg, double train_seconds, double last,
@@ -358,7 +384,7 @@ int run(Config cfg) {
               common.quick ? " (quick)" : "");
 
   if (!cfg.eval_path.empty()) {
-    torch::load(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
+    load_same_model(pipe, cfg.group.defined() ? cfg.group.rank_path(cfg.eval_path) : cfg.eval_path);
     const double acc = evaluate(pipe, test, cfg).accuracy;
     if (!report) return 0;
     std::printf("test accuracy of %s: %.2f%%\n", cfg.eval_path.c_str(), 100 * acc);
