@@ -309,15 +309,15 @@ void write_plots(const std::string& dir, const Config& cfg, double train_seconds
   std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: final test accuracy %.2f %% after %s of training",
                 static_cast<long long>(cfg.common.seed), 100 * last,
                 examples::format_duration(train_seconds).c_str());
-  examples::write_epoch_plot(dir + "/accuracy.svg", title,
-                             {{"train accuracy", "#d62728", train_acc}, {"test accuracy", "#1f77b4", test_acc}},
-                             /*percent=*/true, std::nullopt, 1.0);
+  examples::write_line_plot(dir + "/accuracy.svg", title,
+                            {{"train accuracy", "#d62728", train_acc}, {"test accuracy", "#1f77b4", test_acc}},
+                            "epoch", /*percent=*/true, std::nullopt, 1.0);
   std::snprintf(title, sizeof title, "snn_fashion_mnist, seed %lld: %s per epoch",
                 static_cast<long long>(cfg.common.seed),
                 cfg.loss == "ce" ? "cross-entropy of the readout" : "MSE of the firing rates");
-  examples::write_epoch_plot(dir + "/loss.svg", title,
-                             {{"training loss", "#d62728", train_loss}, {"test loss", "#1f77b4", test_loss}},
-                             /*percent=*/false, 0.0);
+  examples::write_line_plot(dir + "/loss.svg", title,
+                            {{"training loss", "#d62728", train_loss}, {"test loss", "#1f77b4", test_loss}},
+                            "epoch", /*percent=*/false, 0.0);
 }
 
 int run(Config cfg) {

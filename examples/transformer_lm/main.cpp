@@ -12,6 +12,7 @@
 // accumulated), for comparison.
 
 #include "model.h"
+#include "plot.h"
 #include "training.h"
 
 #include <mpipe/autocast.h>
@@ -213,43 +214,27 @@ double lr_at(const Config& c, int64_t step) {
   return c.lr * (0.1 + 0.45 * (1 + std::cos(M_PI * std::min(1.0, t))));
 }
 
-/// An SVG of the training loss (per logged interval) and validation loss.
+/// An SVG of the training loss (per logged interval), the validation loss
+/// and the unigram baseline, per step; losses above 1.05 times the baseline
+/// are drawn at the top.
 void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train,
                     const std::vector<std::pair<int64_t, double>>& val, double unigram,
                     const std::string& title, int64_t steps) {
-  const double W = 640, H = 400, left = 60, right = 20, top = 40, bottom = 50;
-  double hi = unigram * 1.05, lo = hi;
-  for (const auto* v : {&train, &val}) {
-    for (const auto& p : *v) lo = std::min(lo, p.second);
-  }
-  lo = std::floor(lo * 5) / 5;
-  auto px = [&](double s) { return left + (W - left - right) * s / static_cast<double>(steps); };
-  auto py = [&](double l) { return top + (H - top - bottom) * (hi - std::min(l, hi)) / (hi - lo); };
-  std::ofstream f(path);
-  f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
-       "fill=\"white\"/>\n<text x=\""
-    << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n";
-  for (double l = lo; l <= hi + 1e-9; l += 0.2) {
-    f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(l) << "\" y2=\""
-      << py(l) << "\" stroke=\"#ddd\"/>\n<text x=\"" << left - 6 << "\" y=\"" << py(l) + 4
-      << "\" text-anchor=\"end\">" << std::round(l * 10) / 10 << "</text>\n";
-  }
-  f << "<line x1=\"" << left << "\" x2=\"" << W - right << "\" y1=\"" << py(unigram) << "\" y2=\""
-    << py(unigram) << "\" stroke=\"#999\" stroke-dasharray=\"4\"/>\n<text x=\"" << W - right
-    << "\" y=\"" << py(unigram) - 4 << "\" text-anchor=\"end\" fill=\"#666\">unigram baseline</text>\n";
-  f << "<text x=\"" << W / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">step (of " << steps
-    << "); loss in nats per character</text>\n";
-  auto line = [&](const std::vector<std::pair<int64_t, double>>& v, const char* colour,
-                  const char* name, double ly) {
-    f << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"2\" points=\"";
-    for (const auto& p : v) f << px(static_cast<double>(p.first)) << "," << py(p.second) << " ";
-    f << "\"/>\n<text x=\"" << W - right - 130 << "\" y=\"" << ly << "\" fill=\"" << colour
-      << "\">" << name << "</text>\n";
+  auto line = [](const char* name, const char* colour, const std::vector<std::pair<int64_t, double>>& v) {
+    examples::PlotLine l{name, colour, {}};
+    for (const auto& [step, loss] : v) {
+      l.x.push_back(static_cast<double>(step));
+      l.values.push_back(loss);
+    }
+    return l;
   };
-  line(train, "#d62728", "training loss", top + 20);
-  line(val, "#1f77b4", "validation loss", top + 36);
-  f << "</svg>\n";
+  const examples::PlotLine baseline{"unigram baseline", "#999", {unigram, unigram},
+                                    {0.0, static_cast<double>(steps)}, /*dashed=*/true};
+  examples::write_line_plot(path, title,
+                            {line("training loss", "#d62728", train),
+                             line("validation loss", "#1f77b4", val), baseline},
+                            "step (of " + std::to_string(steps) + "); loss in nats per character",
+                            /*percent=*/false, std::nullopt, unigram * 1.05);
 }
 
 /// How the example runs a model: through the pipeline, or plain.
