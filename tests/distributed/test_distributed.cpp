@@ -225,6 +225,9 @@ TEST(Distributed, VPlacedStagesEqualThePlainModel) {
   const at::Tensor x = input(12);
   torch::manual_seed(3);
   const at::Tensor y = torch::randn({12, 3}, torch::kDouble);
+  std::vector<int64_t> v_labels;  // the workers of the V: rank r holds stages r and 2S - 1 - r
+  for (int64_t s = 0; s < 2 * ranks; ++s) v_labels.push_back(s < ranks ? s : 2 * ranks - 1 - s);
+  int64_t tailored_pairs = 0;
   for (auto schedule : {mpipe::Schedule::OneFOneB, mpipe::Schedule::ZeroBubbleH1,
                         mpipe::Schedule::ZeroBubbleV, mpipe::Schedule::DualPipeV,
                         mpipe::Schedule::Tailored, mpipe::Schedule::Auto}) {
@@ -241,7 +244,15 @@ TEST(Distributed, VPlacedStagesEqualThePlainModel) {
                                    std::to_string(static_cast<int>(checkpoint)) +
                                    (threads ? ", threads" : ", inline");
           auto step = mpipe::TrainStepOptions(mpipe::chunks(m)).schedule(schedule);
-          if (schedule == mpipe::Schedule::Tailored) step.stage_costs({{1, 2, 1, 2}});
+          if (schedule == mpipe::Schedule::Tailored) {
+            // Costs under which Tailored picks DualPipeV's pairs (Op::with_next)
+            // from 2S + 1 micro-batches on: they travel with the call too.
+            step.stage_costs({{1, 2, 0, 0}});
+            const auto chosen = mpipe::choose_schedule(m, 2 * ranks, step, v_labels);
+            for (const auto& program : chosen.programs) {
+              for (const auto& op : program) tailored_pairs += op.with_next;
+            }
+          }
           const at::Tensor loss = pipe->train_step(group().is_first() ? x : at::Tensor(),
                                                    holds_last ? y : at::Tensor(), mse, step);
           const at::Tensor want = mse(plain(reference, x), y);
@@ -264,6 +275,7 @@ TEST(Distributed, VPlacedStagesEqualThePlainModel) {
       }
     }
   }
+  EXPECT_GT(tailored_pairs, 0) << "Tailored never picked DualPipeV's pairs on the V";
 }
 
 // Wrong stage numbers fail the first call on every rank, naming the rank, and

@@ -97,6 +97,8 @@ MPIPE_FUNC int64_t debug_chaos_seed() {
   return seed;
 }
 
+constexpr int64_t kWithNext = 16;  // in a Tailored op's kind field: Op::with_next
+
 const char* const kMethods[] = {"forward", "constant_forward", "sequence_forward", "train_step",
                                 "constant_train_step"};
 
@@ -110,10 +112,13 @@ MPIPE_FUNC int64_t method_code(const char* method) {
 MPIPE_FUNC std::vector<int64_t> CallInfo::fields() const {
   std::vector<int64_t> f = {method,         n_items,   rows,       batch,   reduce, schedule,
                             virtual_stages, reduction, time_chunk, programs};
-  for (const auto& p : tailored) {  // then Tailored's programs: a length and its ops each
+  // Then Tailored's programs: a length and its ops each, a pair's first op
+  // (Op::with_next: DualPipeV's programs may win) marked by kWithNext.
+  for (const auto& p : tailored) {
     f.push_back(static_cast<int64_t>(p.size()));
     for (const auto& op : p) {
-      f.insert(f.end(), {static_cast<int64_t>(op.kind), op.micro_batch, op.stage});
+      f.insert(f.end(), {static_cast<int64_t>(op.kind) + (op.with_next ? kWithNext : 0),
+                         op.micro_batch, op.stage});
     }
   }
   return f;
@@ -139,10 +144,12 @@ MPIPE_FUNC CallInfo CallInfo::from(const std::vector<int64_t>& f) {
     const auto len = static_cast<size_t>(f[k++]);
     c.tailored.emplace_back();
     for (size_t j = 0; j < len; ++j, k += 3) {
-      TORCH_CHECK(f[k] >= 0 && f[k] <= static_cast<int64_t>(schedules::OpKind::BackwardWeight),
+      const int64_t kind = f[k] & ~kWithNext;
+      TORCH_CHECK(f[k] >= 0 && kind <= static_cast<int64_t>(schedules::OpKind::BackwardWeight),
                   "a malformed call message (operation kind ", f[k], ")");
       c.tailored.back().push_back(
-          schedules::Op{static_cast<schedules::OpKind>(f[k]), f[k + 1], f[k + 2]});
+          schedules::Op{static_cast<schedules::OpKind>(kind), f[k + 1], f[k + 2]});
+      c.tailored.back().back().with_next = (f[k] & kWithNext) != 0;
     }
   }
   return c;
