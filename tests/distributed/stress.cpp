@@ -4,6 +4,7 @@
 // ~50 calls. Every rank draws the same calls from the same seed.
 //
 //   mpipe-launch -n 3 --timeout 600 -- ./mpipe_dist_stress --calls=2000 [--replicas=R]
+//     [--seed=N]  (the calls' mix; 12345 unless given)
 //
 // ctest runs a short form (tests/CMakeLists.txt), under the debug hook that
 // delays and reorders deliveries (MPIPE_DEBUG_CHAOS); scripts/stress.sh runs
@@ -80,7 +81,7 @@ Model build(Kind kind, int64_t n) {
 struct Stress {
   ProcessGroup group;
   int64_t timeout_ms = 0;
-  std::mt19937_64 draw{12345};  // the same on every rank
+  std::mt19937_64 draw{12345};  // the same on every rank (--seed)
   int64_t passed = 0, failed = 0, injected = 0;
   bool verbose = std::getenv("MPIPE_STRESS_VERBOSE") != nullptr;  // every call's line
   std::string first_failure;
@@ -324,14 +325,17 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
 
 int main(int argc, char** argv) {
   int64_t calls = 200, replicas = 1;
+  uint64_t seed = 12345;
   double timeout_s = 60;
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
     if (a.rfind("--calls=", 0) == 0) calls = std::stoll(a.substr(8));
     else if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
     else if (a.rfind("--timeout=", 0) == 0) timeout_s = std::stod(a.substr(10));
+    else if (a.rfind("--seed=", 0) == 0) seed = std::stoull(a.substr(7));
     else {
-      std::fprintf(stderr, "usage: mpipe_dist_stress [--calls=N] [--replicas=R] [--timeout=S]\n");
+      std::fprintf(stderr,
+                   "usage: mpipe_dist_stress [--calls=N] [--replicas=R] [--timeout=S] [--seed=N]\n");
       return 2;
     }
   }
@@ -340,6 +344,7 @@ int main(int argc, char** argv) {
     return 77;
   }
   Stress st;
+  st.draw.seed(seed);
   st.group = mpipe::distributed::init_from_env(
       mpipe::distributed::GroupOptions()
           .replicas(replicas)
