@@ -5,6 +5,13 @@
 //
 //   mpipe-launch -n 3 --timeout 600 -- ./mpipe_dist_stress --calls=2000 [--replicas=R]
 //     [--seed=N]  (the calls' mix; 12345 unless given)
+//     [--fault=die|stall --fault-at=K --fault-rank=R]
+//
+// With --fault, world rank R dies (exits) or stalls at call K of the mix,
+// inside one of its stages' forward or before the call (drawn); every other
+// rank must fail call K within the documented bound (docs/distributed.md,
+// Failures: the group's timeout + 0.5 s per rank + 2 s) naming rank R, and
+// its next call at once. Each prints "stress fault: ..." and exits.
 //
 // ctest runs a short form (tests/CMakeLists.txt), under the debug hook that
 // delays and reorders deliveries (MPIPE_DEBUG_CHAOS); scripts/stress.sh runs
@@ -26,6 +33,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -33,15 +41,26 @@ namespace nn = torch::nn;
 namespace snn = mpipe::snn;
 using mpipe::distributed::ProcessGroup;
 
-/// Identity, or an error when armed: the injected stage failure.
+/// A rank's fault (--fault): it exits, or sleeps past every bound and exits.
+[[noreturn]] void fault_now(const std::string& kind, double stall_s) {
+  std::fflush(stdout);
+  if (kind == "stall") std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+  std::_Exit(0);  // 0: the launcher leaves the others to notice
+}
+
+/// Identity, or when armed the injected stage failure (or, with `fault`
+/// set, this rank's fault).
 struct TrapImpl : nn::Module {
   explicit TrapImpl(int64_t stage) : stage(stage) {}
   at::Tensor forward(const at::Tensor& x) {
+    if (armed && !fault.empty()) fault_now(fault, stall_s);
     TORCH_CHECK(!armed, "injected failure in stage ", stage);
     return x;
   }
   int64_t stage;
   bool armed = false;
+  std::string fault;  // "die" or "stall"
+  double stall_s = 0;
 };
 TORCH_MODULE(Trap);
 
@@ -85,6 +104,8 @@ struct Stress {
   int64_t passed = 0, failed = 0, injected = 0;
   bool verbose = std::getenv("MPIPE_STRESS_VERBOSE") != nullptr;  // every call's line
   std::string first_failure;
+  bool expecting_fault = false;  // --fault's call: the error is recorded, not a failure
+  std::string fault_message;
 
   int64_t pick(int64_t lo, int64_t hi) {  // uniform in [lo, hi]
     return lo + static_cast<int64_t>(draw() % static_cast<uint64_t>(hi - lo + 1));
@@ -297,6 +318,10 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
                         " was not reported");
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
+    if (st.expecting_fault) {
+      st.fault_message = msg;
+      return false;
+    }
     if (!inject) {
       st.fail(what + ": " + msg);
       return false;
@@ -321,11 +346,73 @@ bool one_call(Stress& st, Pipe& p, int64_t index, bool inject) {
   return true;
 }
 
+struct Fault {
+  std::string kind;  // "die" or "stall"; empty: none
+  int64_t at = -1, rank = -1;
+};
+
+/// Call `index` on `p` with --fault's rank dying or stalling in it (or before
+/// it); on the others, the checks of the header's comment. Never returns.
+[[noreturn]] void fault_call(Stress& st, Pipe& p, int64_t index, const Fault& f, double timeout_s) {
+  const int64_t me = st.group.rank(), n = st.group.world_size();
+  const double bound = timeout_s + 0.5 * static_cast<double>(n) + 2;
+  // Every rank draws the same numbers: where, and which of the faulty rank's stages.
+  const bool before = st.pick(0, 1) == 0;
+  const auto which = static_cast<size_t>(st.pick(0, 1000)) % p.numbers.size();
+  const std::string where = before ? "before the call" : c10::str("in stage ", p.numbers[which]);
+  if (me == f.rank) {
+    std::printf("stress fault: rank %lld: %s at call %lld, %s\n", static_cast<long long>(me),
+                f.kind == "die" ? "dies" : "stalls", static_cast<long long>(index), where.c_str());
+    // A stall outlasts the others' bound and their next call, then exits.
+    if (before) fault_now(f.kind, bound + 3);
+    auto& trap = p.mine.traps[static_cast<size_t>(p.numbers[which])];
+    trap->armed = true;
+    trap->fault = f.kind;
+    trap->stall_s = bound + 3;
+    st.expecting_fault = true;
+    one_call(st, p, index, false);  // the trap fires inside it
+    fault_now(f.kind, bound + 3);
+  }
+  auto timed = [&](Pipe& q, int64_t k) {
+    st.expecting_fault = true;
+    st.fault_message.clear();
+    const auto start = std::chrono::steady_clock::now();
+    const bool ok = one_call(st, q, k, false);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::make_pair(ok ? std::string() : st.fault_message, took);
+  };
+  const auto first = timed(p, index);
+  // The call after it fails at once (the group is broken).
+  const auto next = timed(p, index + 1);
+  const std::string named = "rank " + std::to_string(f.rank);
+  std::string bad;
+  if (first.first.empty()) {
+    bad = "call " + std::to_string(index) + " did not fail";
+  } else if (first.first.find(named) == std::string::npos) {
+    bad = "the message does not name " + named;
+  } else if (first.second > bound) {
+    bad = c10::str("it failed after ", first.second, " s, past the bound of ", bound, " s");
+  } else if (next.first.empty() || next.second > 1.0) {
+    bad = c10::str("the next call ", next.first.empty() ? "did not fail" : "failed only after ",
+                   next.first.empty() ? 0.0 : next.second, next.first.empty() ? "" : " s");
+  }
+  std::printf("stress fault: rank %lld: %s (rank %lld %s at call %lld, %s): failed after %.2f s "
+              "(bound %.1f s), the next call after %.2f s: %s\n",
+              static_cast<long long>(me), bad.empty() ? "OK" : ("FAILED: " + bad).c_str(),
+              static_cast<long long>(f.rank), f.kind == "die" ? "died" : "stalled",
+              static_cast<long long>(index), where.c_str(), first.second, bound, next.second,
+              first.first.c_str());
+  std::fflush(stdout);
+  std::_Exit(bad.empty() ? 0 : 1);  // the group is broken: no teardown
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int64_t calls = 200, replicas = 1;
   uint64_t seed = 12345;
+  Fault fault;
   double timeout_s = 60;
   for (int k = 1; k < argc; ++k) {
     const std::string a = argv[k];
@@ -333,11 +420,20 @@ int main(int argc, char** argv) {
     else if (a.rfind("--replicas=", 0) == 0) replicas = std::stoll(a.substr(11));
     else if (a.rfind("--timeout=", 0) == 0) timeout_s = std::stod(a.substr(10));
     else if (a.rfind("--seed=", 0) == 0) seed = std::stoull(a.substr(7));
+    else if (a.rfind("--fault=", 0) == 0) fault.kind = a.substr(8);
+    else if (a.rfind("--fault-at=", 0) == 0) fault.at = std::stoll(a.substr(11));
+    else if (a.rfind("--fault-rank=", 0) == 0) fault.rank = std::stoll(a.substr(13));
     else {
       std::fprintf(stderr,
-                   "usage: mpipe_dist_stress [--calls=N] [--replicas=R] [--timeout=S] [--seed=N]\n");
+                   "usage: mpipe_dist_stress [--calls=N] [--replicas=R] [--timeout=S] [--seed=N] "
+                   "[--fault=die|stall --fault-at=K --fault-rank=R]\n");
       return 2;
     }
+  }
+  if (!fault.kind.empty() && ((fault.kind != "die" && fault.kind != "stall") || fault.at < 0 ||
+                               fault.rank < 0 || replicas != 1)) {
+    std::fprintf(stderr, "--fault=die|stall needs --fault-at=K, --fault-rank=R and one replica\n");
+    return 2;
   }
   if (!mpipe::distributed::available()) {
     std::printf("mpipe was built without c10d: nothing to test\n");
@@ -362,6 +458,7 @@ int main(int argc, char** argv) {
       Pipe& p = *pipes[st.pick(0, 3)];
       const bool inject = k == next_injection;
       if (inject) next_injection = k + st.pick(30, 70);
+      if (k == fault.at) fault_call(st, p, k, fault, timeout_s);
       if (!one_call(st, p, k, inject)) break;
     }
   }

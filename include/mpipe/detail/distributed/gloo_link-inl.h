@@ -123,11 +123,16 @@ MPIPE_FUNC void GlooLink::post(int64_t peer, WireMessage m) {
 // A rank ends a call by posting End (or Abort) to every peer and then
 // waiting for two things per peer: its own sends to go out (a Gloo send
 // completes only once the peer posts the matching receive) and the peer's
-// End or Abort. Both waits share one deadline: the group's timeout from
-// here, or kAnswer once the call is failing (this rank's error, or a peer's
-// Abort or loss arriving while it waits). A peer that misses it is stalled:
-// its sends and receive are aborted, the group is broken, and the message
-// names that peer. So a rank that stalls between calls costs the others the
+// End or Abort. Both waits share one deadline: the longest receive's
+// patience from here (the group's timeout plus half a second per other rank,
+// Note [Cross-process calls] in remote-inl.h, plus a quarter second), or
+// kAnswer once the call is failing (this rank's error, or a peer's Abort or
+// loss arriving while it waits). A peer that misses it is stalled: its sends
+// and receive are aborted, the group is broken, and the message names that
+// peer. The patience matters: a peer still waiting for the stalled rank's
+// inputs gives up, and names it, only after its own patience; a shorter
+// deadline here named that innocent peer as stalled too (scripts/stress.sh
+// with --fault). So a rank that stalls between calls costs the others the
 // timeout once, not once per wait.
 MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing) {
   finished_ = true;
@@ -153,8 +158,10 @@ MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing) 
     peers_[static_cast<size_t>(p)].drain = std::thread([this, p] { drain(p); });
   }
   const auto answer = std::min<std::chrono::milliseconds>(group_->timeout, kAnswer);
+  const auto patience = group_->timeout + std::chrono::milliseconds(
+                                              500 * (group_->pipeline_size() - 1) + 250);
   const auto start = std::chrono::steady_clock::now();
-  auto deadline = start + (failing ? answer : group_->timeout);
+  auto deadline = start + (failing ? answer : patience);
   bool cut = failing;
   {
     std::unique_lock<std::mutex> lock(state_);
