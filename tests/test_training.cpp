@@ -819,6 +819,101 @@ TEST(ZeroBubble, WeightGradientsComputeNoActivationGradientTwice) {
   }
 }
 
+namespace {
+
+/// Stages whose weights reach the backward by two ways: a stage with a skip
+/// and its output (or two outputs) from one Linear, and a Linear applied twice
+/// side by side. Split backwards must still add as backward does.
+struct StashesImpl : torch::nn::Module {  // h = tanh(fc(x)), stashes h / 2
+  StashesImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(fc(x));
+    mpipe::stash("half", h * 0.5);
+    return h;
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Stashes);
+struct TwiceImpl : torch::nn::Module {  // tanh(fc(x) + fc(2 x))
+  TwiceImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x) + fc(x * 2)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Twice);
+struct PopsImpl : torch::nn::Module {  // tanh(fc(x)) + the stash
+  PopsImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)) + mpipe::pop("half"); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Pops);
+struct HalvesImpl : torch::nn::Module {  // (h, h / 2), h = tanh(fc(x))
+  HalvesImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x) {
+    auto h = torch::tanh(fc(x));
+    return {h, h * 0.5};
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Halves);
+struct SkipAddImpl : torch::nn::Module {  // tanh(fc(a)) + b
+  SkipAddImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& a, const torch::Tensor& b) {
+    return torch::tanh(fc(a)) + b;
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(SkipAdd);
+
+}  // namespace
+
+// Every split-backward schedule against GPipe, bit for bit, on stages whose
+// weights reach the loss by two ways, with and without a gradient for the
+// input (without one, stage 0's backward is all W): Note [Split backward].
+TEST(ZeroBubble, WeightsReachedTwiceGetGPipesBits) {
+  for (bool two_outputs : {false, true}) {
+    for (Schedule schedule : {Schedule::ZeroBubbleH1, Schedule::ZeroBubbleV, Schedule::DualPipeV}) {
+      for (bool input_grad : {false, true}) {
+        for (bool threads : {true, false}) {
+          SCOPED_TRACE(std::string(two_outputs ? "two outputs, " : "a skip, ") +
+                       mpipe::to_string(schedule) + (input_grad ? ", input grad" : "") +
+                       (threads ? ", threads" : ", inline"));
+          auto build = [&] {
+            torch::manual_seed(11);
+            auto pipe = ModelPipeline(ModelPipelineOptions().worker_threads(threads));
+            if (two_outputs) {
+              pipe->append(Halves(), "cpu").append(SkipAdd(), "cpu");
+            } else {
+              pipe->append(Stashes(), "cpu").append(Twice(), "cpu").append(Pops(), "cpu");
+            }
+            while (pipe->size() < 4) pipe->append(Twice(), "cpu");
+            pipe->to(torch::kDouble);
+            return pipe;
+          };
+          torch::manual_seed(12);
+          const auto x = torch::randn({8, 4}, torch::kDouble);
+          const auto y = torch::randn({8, 4}, torch::kDouble);
+          auto run = [&](Schedule s, torch::Tensor& x_grad) {
+            auto pipe = build();
+            auto xs = x.clone().requires_grad_(input_grad);
+            const auto loss = pipe->train_step(xs, y, mse, TrainStepOptions(2).schedule(s));
+            if (input_grad) x_grad = xs.grad();
+            return std::make_pair(loss, grads_of(*pipe));
+          };
+          torch::Tensor want_x_grad, got_x_grad;
+          const auto want = run(Schedule::GPipe, want_x_grad);
+          const auto got = run(schedule, got_x_grad);
+          EXPECT_TRUE(torch::equal(want.first, got.first));
+          if (input_grad) EXPECT_TRUE(torch::equal(want_x_grad, got_x_grad));
+          ASSERT_EQ(want.second.size(), got.second.size());
+          for (const auto& g : want.second) {
+            EXPECT_TRUE(torch::equal(g.second, got.second.at(g.first))) << g.first;
+          }
+        }
+      }
+    }
+  }
+}
+
 // mpipe::clip_grad_norm against torch::nn::utils::clip_grad_norm_ on the plain
 // model's gradients: the same norm, the same clipped gradients, for 2-, 1- and
 // infinity-norms, clipped or not; bad arguments are refused and nothing moves.

@@ -40,14 +40,21 @@ namespace detail {
 // per N, with `outputs` = the weights below N's non-A edges (so autograd
 // computes only those: e.g. a matmul's weight gradient, not its input
 // gradient again). Roots outside A (a stage whose inputs need no gradient)
-// run from the root as usual. By linearity the separate runs add up to
-// backward's gradients.
+// run from the roots as usual, all in one run.
 //
-// One case does not split so: a weight below N's non-A edges that N's A
-// edges also reach (a weight used both before and after the input path
-// joins it). The engine would then also run N's A edges and count part of
-// the gradient twice. There, and for any other leaf the analysis cannot
-// place, W falls back to backward(roots, grads, inputs = every leaf but the
+// By linearity the separate runs add up to backward's gradients, but not
+// to its bits: where backward sums two gradients at a node and then runs it
+// (or sums them at a weight's AccumulateGrad before adding to .grad), two
+// runs run the node twice, or add to .grad twice, which rounds differently.
+// So the roots outside A are one run (stage 0's stash and output both reach
+// its Linear), and the split is taken only when no node below the parts is
+// reached from two of them (a weight shared by two A nodes: fc(fc(x))).
+//
+// Two cases do not split so: the one above, and a weight below N's non-A
+// edges that N's A edges also reach (a weight used both before and after
+// the input path joins it; the engine would then also run N's A edges and
+// count part of the gradient twice). There, and for any other leaf the
+// analysis cannot place, W falls back to backward(roots, grads, inputs = every leaf but the
 // stage's inputs) from the graph I kept, computing the activation gradients
 // again: right, only slower.
 
@@ -160,7 +167,14 @@ MPIPE_FUNC WeightPass::WeightPass(std::vector<at::Tensor> roots, std::vector<at:
     return walk(from, [&](Node* n) { return targets.count(n) > 0; });
   };
 
-  // Roots outside A run from the root; roots that are leaves accumulate.
+  // Every node below a part, so that no node is below two (the note above).
+  std::unordered_set<const Node*> below_parts;
+  auto claim = [&](const std::vector<Node*>& from) {
+    return !walk(from, [&](Node* n) { return !below_parts.insert(n).second; });
+  };
+  // Roots outside A run from the roots, in one run; roots that are leaves accumulate.
+  Plan::Part outside;
+  std::vector<Node*> outside_nodes;
   for (size_t k = 0; k < p.roots.size(); ++k) {
     const at::Tensor& r = p.roots[k];
     const Edge edge = torch::autograd::impl::gradient_edge(r);
@@ -168,11 +182,14 @@ MPIPE_FUNC WeightPass::WeightPass(std::vector<at::Tensor> roots, std::vector<at:
       continue;
     }
     if (!reaches_weight[edge.function.get()]) continue;
-    Plan::Part part;
-    part.roots = {edge};
-    part.grads = {p.grads[k].defined() ? p.grads[k] : at::ones_like(r)};
-    part.outputs = weights_below({edge.function.get()});
-    p.parts.push_back(std::move(part));
+    outside.roots.push_back(edge);
+    outside.grads.push_back(p.grads[k].defined() ? p.grads[k] : at::ones_like(r));
+    outside_nodes.push_back(edge.function.get());
+  }
+  if (!outside.roots.empty()) {
+    outside.outputs = weights_below(outside_nodes);
+    claim(outside_nodes);  // the first part: claims cannot clash yet
+    p.parts.push_back(std::move(outside));
   }
   // A nodes with edges out of A that lead to weights.
   std::vector<std::pair<Node*, Plan::Part>> hooked;
@@ -194,6 +211,7 @@ MPIPE_FUNC WeightPass::WeightPass(std::vector<at::Tensor> roots, std::vector<at:
     std::set<const Node*> targets;
     for (const auto& o : part.outputs) targets.insert(o.function.get());
     if (reaches_any(within_a, targets)) return;  // does not split: fall back
+    if (!claim(out_of_a)) return;                 // a node below two parts: fall back
     for (uint32_t k = 0; k < n->num_inputs(); ++k) part.roots.emplace_back(n->shared_from_this(), k);
     part.captured = std::make_shared<std::vector<at::Tensor>>();
     hooked.emplace_back(n, std::move(part));
