@@ -11,8 +11,9 @@
 // drift from what the unsplit model would track. DeferredBatchNorm normalises
 // each micro-batch with its own statistics like BatchNorm, but accumulates the
 // per-channel statistics over the micro-batches of a call and updates
-// running_mean and running_var once, at the last micro-batch
-// (current_micro_batch()), with the whole batch's mean and unbiased variance:
+// running_mean and running_var once, when it has seen all of them (their
+// count is current_micro_batch()'s; any order), with the whole batch's mean
+// and unbiased variance:
 // the running statistics equal the unsplit model's. The per-micro-batch means
 // and sums of squared deviations are combined in double precision (Chan et
 // al.'s pairwise update), so the variance stays exact when the data's mean is
@@ -61,7 +62,7 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
   /// num_batches_tracked = 0, and drops partial statistics.
   void reset() override;
   /// Normalises `x` [N, C, ...]: with its own statistics in training mode
-  /// (the running ones updated at the call's last micro-batch), with the
+  /// (the running ones updated once it saw every micro-batch of the call), with the
   /// running statistics in eval mode.
   at::Tensor forward(const at::Tensor& x);
   /// Prints `mpipe::DeferredBatchNorm(C, eps=..., momentum=..., affine=...)`.
@@ -90,7 +91,8 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
  private:
   void commit();
   at::Tensor mean_, m2_;  // double: mean and sum of squared deviations so far
-  int64_t count_ = 0;
+  int64_t count_ = 0;     // rows so far
+  int64_t seen_ = 0;      // micro-batches so far
 };
 /// A holder for DeferredBatchNormImpl, as torch::nn's modules have.
 TORCH_MODULE(DeferredBatchNorm);

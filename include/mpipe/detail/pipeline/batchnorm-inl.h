@@ -22,7 +22,7 @@ namespace detail {
 /// Everything a call can change (Note [State snapshots]).
 struct DeferredBatchNormState {
   at::Tensor mean, m2;
-  int64_t count = 0;
+  int64_t count = 0, seen = 0;
   at::Tensor running_mean, running_var, num_batches_tracked;  // clones
 };
 
@@ -51,6 +51,7 @@ MPIPE_FUNC void DeferredBatchNormImpl::reset() {
 MPIPE_FUNC void DeferredBatchNormImpl::reset_state() {
   mean_ = m2_ = at::Tensor();
   count_ = 0;
+  seen_ = 0;
 }
 
 MPIPE_FUNC at::Tensor DeferredBatchNormImpl::forward(const at::Tensor& x) {
@@ -88,8 +89,8 @@ MPIPE_FUNC at::Tensor DeferredBatchNormImpl::forward(const at::Tensor& x) {
     }
     count_ += nb;
   }
-  const MicroBatch mb = current_micro_batch();
-  if (mb.index + 1 == mb.count) commit();
+  // Once every micro-batch was seen, in whatever order a program ran them.
+  if (++seen_ == current_micro_batch().count) commit();
   return y;
 }
 
@@ -107,7 +108,7 @@ MPIPE_FUNC void DeferredBatchNormImpl::commit() {
 MPIPE_FUNC std::any DeferredBatchNormImpl::save_state() const {
   c10::NoGradGuard no_grad;
   return detail::DeferredBatchNormState{
-      mean_, m2_, count_, running_mean.clone(), running_var.clone(), num_batches_tracked.clone()};
+      mean_, m2_, count_, seen_, running_mean.clone(), running_var.clone(), num_batches_tracked.clone()};
 }
 
 MPIPE_FUNC void DeferredBatchNormImpl::load_state(const std::any& state) {
@@ -116,6 +117,7 @@ MPIPE_FUNC void DeferredBatchNormImpl::load_state(const std::any& state) {
   mean_ = s.mean;
   m2_ = s.m2;
   count_ = s.count;
+  seen_ = s.seen;
   running_mean.copy_(s.running_mean);
   running_var.copy_(s.running_var);
   num_batches_tracked.copy_(s.num_batches_tracked);
