@@ -235,8 +235,8 @@ class ModelPipelineImpl : public torch::nn::Module {
   /// One training step. Splits `input` and `target` along dim 0 into
   /// micro-batches as step.split() says (rows per micro-batch, or
   /// mpipe::chunks(n)), runs every stage's forwards and
-  /// backwards under step.schedule() (GPipe, OneFOneB, Interleaved1F1B,
-  /// ZeroBubbleH1, or Auto's choice among them: mpipe/training.h), with
+  /// backwards under step.schedule() (any mpipe::Schedule, Auto's choice or
+  /// TrainStepOptions::programs: mpipe/training.h, mpipe/schedule.h), with
   /// activation checkpointing as options.checkpoint says, and accumulates
   /// into every parameter's .grad (as backward() would) the gradient of the
   /// full-batch loss: the mean over the batch when `loss_fn` returns the mean
