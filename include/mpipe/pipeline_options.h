@@ -22,7 +22,8 @@ struct ModelPipelineOptions {
   /// Run each stage's host work (kernel launches, CPU compute) on a worker
   /// thread of its own, so stages issue work concurrently. When false, the
   /// caller's thread runs every task in the schedule's clock order; results are
-  /// the same either way (docs/design.md, "One runtime"). A call of one item
+  /// the same either way (docs/design.md, "One runtime", says where a
+  /// backward() of your own after a forward can differ in its last bits). A call of one item
   /// (one micro-batch, or one time chunk) always runs on the caller's thread:
   /// its tasks wait for one another, so threads would only add hand-offs.
   TORCH_ARG(bool, worker_threads) = true;
