@@ -62,8 +62,8 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
   /// num_batches_tracked = 0, and drops partial statistics.
   void reset() override;
   /// Normalises `x` [N, C, ...]: with its own statistics in training mode
-  /// (the running ones updated once it saw every micro-batch of the call), with the
-  /// running statistics in eval mode.
+  /// (the running ones updated once it saw every micro-batch of the call),
+  /// with the running statistics in eval mode.
   at::Tensor forward(const at::Tensor& x);
   /// Prints `mpipe::DeferredBatchNorm(C, eps=..., momentum=..., affine=...)`.
   void pretty_print(std::ostream& stream) const override;

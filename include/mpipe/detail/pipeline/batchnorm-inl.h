@@ -107,8 +107,13 @@ MPIPE_FUNC void DeferredBatchNormImpl::commit() {
 
 MPIPE_FUNC std::any DeferredBatchNormImpl::save_state() const {
   c10::NoGradGuard no_grad;
-  return detail::DeferredBatchNormState{
-      mean_, m2_, count_, seen_, running_mean.clone(), running_var.clone(), num_batches_tracked.clone()};
+  return detail::DeferredBatchNormState{mean_,
+                                        m2_,
+                                        count_,
+                                        seen_,
+                                        running_mean.clone(),
+                                        running_var.clone(),
+                                        num_batches_tracked.clone()};
 }
 
 MPIPE_FUNC void DeferredBatchNormImpl::load_state(const std::any& state) {

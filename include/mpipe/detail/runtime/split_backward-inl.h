@@ -48,15 +48,16 @@ namespace detail {
 // runs run the node twice, or add to .grad twice, which rounds differently.
 // So the roots outside A are one run (stage 0's stash and output both reach
 // its Linear), and the split is taken only when no node below the parts is
-// reached from two of them (a weight shared by two A nodes: fc(fc(x))).
+// reached from two of them (one Linear applied twice side by side:
+// fc(x) + fc(2 x) sends two gradients to fc's weight).
 //
 // Two cases do not split so: the one above, and a weight below N's non-A
 // edges that N's A edges also reach (a weight used both before and after
-// the input path joins it; the engine would then also run N's A edges and
-// count part of the gradient twice). There, and for any other leaf the
-// analysis cannot place, W falls back to backward(roots, grads, inputs = every leaf but the
-// stage's inputs) from the graph I kept, computing the activation gradients
-// again: right, only slower.
+// the input path joins it, fc(fc(x)); the engine would then also run N's A
+// edges and count part of the gradient twice). There, and for any other
+// leaf the analysis cannot place, W falls back to backward(roots, grads,
+// inputs = every leaf but the stage's inputs) from the graph I kept,
+// computing the activation gradients again: right, only slower.
 
 using torch::autograd::Edge;
 using torch::autograd::Node;
