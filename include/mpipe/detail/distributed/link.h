@@ -51,7 +51,8 @@ class Link {
   virtual void post(int64_t peer, WireMessage m) = 0;
   /// Ends the call on this rank: End (or, with `error`, Abort carrying it) to
   /// every peer, then waits until every peer ended too and every send went
-  /// out, all within one deadline: the group's timeout, cut to a few seconds
+  /// out, all within one deadline: the longest receive's patience (Note
+  /// [Ending a call] in gloo_link-inl.h), cut to a few seconds
   /// once the call is `failing` or a peer's Abort or loss arrives (a healthy
   /// peer answers an Abort at once; one that does not is stalled, and the
   /// group is broken). Returns what went wrong on the way ("" if nothing).
