@@ -356,6 +356,7 @@ struct Fault {
 [[noreturn]] void fault_call(Stress& st, Pipe& p, int64_t index, const Fault& f, double timeout_s) {
   const int64_t me = st.group.rank(), n = st.group.world_size();
   const double bound = timeout_s + 0.5 * static_cast<double>(n) + 2;
+  const double stall_s = bound + 3;  // outlasts the others' bound and their next call
   // Every rank draws the same numbers: where, and which of the faulty rank's stages.
   const bool before = st.pick(0, 1) == 0;
   const auto which = static_cast<size_t>(st.pick(0, 1000)) % p.numbers.size();
@@ -363,15 +364,14 @@ struct Fault {
   if (me == f.rank) {
     std::printf("stress fault: rank %lld: %s at call %lld, %s\n", static_cast<long long>(me),
                 f.kind == "die" ? "dies" : "stalls", static_cast<long long>(index), where.c_str());
-    // A stall outlasts the others' bound and their next call, then exits.
-    if (before) fault_now(f.kind, bound + 3);
+    if (before) fault_now(f.kind, stall_s);
     auto& trap = p.mine.traps[static_cast<size_t>(p.numbers[which])];
     trap->armed = true;
     trap->fault = f.kind;
-    trap->stall_s = bound + 3;
+    trap->stall_s = stall_s;
     st.expecting_fault = true;
     one_call(st, p, index, false);  // the trap fires inside it
-    fault_now(f.kind, bound + 3);
+    fault_now(f.kind, stall_s);
   }
   auto timed = [&](Pipe& q, int64_t k) {
     st.expecting_fault = true;
@@ -393,9 +393,10 @@ struct Fault {
     bad = "the message does not name " + named;
   } else if (first.second > bound) {
     bad = c10::str("it failed after ", first.second, " s, past the bound of ", bound, " s");
-  } else if (next.first.empty() || next.second > 1.0) {
-    bad = c10::str("the next call ", next.first.empty() ? "did not fail" : "failed only after ",
-                   next.first.empty() ? 0.0 : next.second, next.first.empty() ? "" : " s");
+  } else if (next.first.empty()) {
+    bad = "the next call did not fail";
+  } else if (next.second > 1.0) {
+    bad = c10::str("the next call failed only after ", next.second, " s");
   }
   std::printf("stress fault: rank %lld: %s (rank %lld %s at call %lld, %s): failed after %.2f s "
               "(bound %.1f s), the next call after %.2f s: %s\n",
