@@ -50,7 +50,7 @@ MPIPE_FUNC GlooLink::GlooLink(std::shared_ptr<GroupImpl> group, int64_t pipeline
 MPIPE_FUNC GlooLink::~GlooLink() {
   if (!finished_) {
     try {
-      finish("the call was left without ending it", true);
+      finish("the call was left without ending it", true, -1);
     } catch (...) {
     }
   }
@@ -133,19 +133,26 @@ MPIPE_FUNC void GlooLink::post(int64_t peer, WireMessage m) {
 // inputs gives up, and names it, only after its own patience; a shorter
 // deadline here named that innocent peer as stalled too (scripts/stress.sh
 // with --fault). So a rank that stalls between calls costs the others the
-// timeout once, not once per wait.
-MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing) {
+// timeout once, not once per wait. A peer found late (a receive from it
+// timed out here, or on the rank whose Abort names it) is not waited for
+// at all, unless it ended the call: a stalled rank cannot answer, and
+// waiting kAnswer for it only delayed every report.
+MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing, int64_t late) {
   finished_ = true;
   std::string problems;
   auto add = [&](const std::string& s) {
-    if (!s.empty()) problems += (problems.empty() ? "" : "; ") + s;
+    if (!s.empty() && problems.find(s) == std::string::npos) {
+      problems += (problems.empty() ? "" : "; ") + s;
+    }
   };
   const int64_t me = group_->pipeline_rank();
+  if (late < 0 || late >= group_->pipeline_size() || late == me || error.empty()) late = -1;
   for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
     if (p == me) continue;
     WireMessage end;
     end.type = error.empty() ? WireMessage::End : WireMessage::Abort;
     end.text = error;
+    end.from = late;
     try {
       post(p, std::move(end));
     } catch (const std::exception& e) {
@@ -165,10 +172,11 @@ MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing) 
   bool cut = failing;
   {
     std::unique_lock<std::mutex> lock(state_);
-    auto done = [&] {
+    if (late >= 0) peers_[static_cast<size_t>(late)].late = true;
+    auto done = [&] {  // a late peer that has not ended is not waited for
       for (int64_t p = 0; p < group_->pipeline_size(); ++p) {
         const Peer& peer = peers_[static_cast<size_t>(p)];
-        if (p != me && !(peer.ended && peer.drained)) return false;
+        if (p != me && !(peer.ended && peer.drained) && !(peer.late && !peer.ended)) return false;
       }
       return true;
     };
@@ -189,10 +197,10 @@ MPIPE_FUNC std::string GlooLink::finish(const std::string& error, bool failing) 
       if (p == me || (peer.ended && peer.drained)) continue;
       peer.abandoned = true;
       if (peer.current) peer.current->abort();
-      const std::string why = c10::str(
-          "rank ", group_->world_rank(p), " did not ",
-          peer.ended ? "take this rank's last messages" : "end the call", " within ",
-          std::round(waited * 10) / 10, " s (stalled?)");
+      const std::string within =  // none for a late peer: it was not waited for
+          peer.late && !peer.ended ? "" : c10::str(" within ", std::round(waited * 10) / 10, " s");
+      const std::string why = c10::str("rank ", group_->world_rank(p), " did not ",
+          peer.ended ? "take this rank's last messages" : "end the call", within, " (stalled?)");
       group_->break_group(why);
       add(why);
     }
@@ -231,8 +239,10 @@ MPIPE_FUNC void GlooLink::drain(int64_t peer) {
     try {
       if (!w->wait()) break;  // aborted
     } catch (...) {
-      error = c10::str("rank ", group_->world_rank(peer), " did not take a message: ",
-                       message_of(std::current_exception()));
+      const std::string what = message_of(std::current_exception());
+      error = closed_after_timeout(what)
+                  ? std::string(kClosedAfterTimeout)
+                  : c10::str("rank ", group_->world_rank(peer), " did not take a message: ", what);
       break;
     }
   }
@@ -345,6 +355,10 @@ MPIPE_FUNC void GlooLink::pump(int64_t peer) {
           {
             std::lock_guard<std::mutex> lock(state_);
             peer_failed_ = true;
+            if (m.from >= 0 && m.from < group_->pipeline_size() &&
+                m.from != group_->pipeline_rank()) {
+              peers_[static_cast<size_t>(m.from)].late = true;  // the peer found it stalled
+            }
           }
           handlers_.failed(peer, c10::str("rank ", from_rank, " failed: ", text));
         }
@@ -361,8 +375,10 @@ MPIPE_FUNC void GlooLink::pump(int64_t peer) {
       abandoned = peers_[static_cast<size_t>(peer)].abandoned;
     }
     if (!abandoned) {  // else finish() names the peer
-      const std::string why = c10::str("rank ", from_rank, " cannot be reached (",
-                                       message_of(std::current_exception()), ")");
+      const std::string what = message_of(std::current_exception());
+      const std::string why = closed_after_timeout(what)
+                                  ? std::string(kClosedAfterTimeout)
+                                  : c10::str("rank ", from_rank, " cannot be reached (", what, ")");
       group_->break_group(why);
       handlers_.failed(peer, why);
     }

@@ -37,6 +37,16 @@ enum Slot : int64_t {
 constexpr int64_t kOverNccl = kShape + kMaxDims;  // 1: the payload follows on NCCL
 static_assert(kOverNccl < kHeader, "the header holds the shape and the NCCL flag");
 
+// When one send times out, Gloo closes every connection of the context, and
+// the other transfers fail with "Application timeout caused pair closure":
+// not their peers' fault, so they name no rank (the send that timed out
+// names its own).
+constexpr const char* kClosedAfterTimeout =
+    "Gloo closed this rank's connections after a send timed out";
+inline bool closed_after_timeout(const std::string& what) {
+  return what.find("Application timeout caused pair closure") != std::string::npos;
+}
+
 // One call's link: a receiving thread ("pump") per peer reads that peer's
 // messages in order until its End or Abort; sends are posted without
 // waiting and waited for in finish(), on a thread per peer, so that one
@@ -49,7 +59,7 @@ class GlooLink final : public Link {
 
   void post(int64_t peer, WireMessage m) override;
   /// Note [Ending a call] in gloo_link-inl.h.
-  std::string finish(const std::string& error, bool failing) override;
+  std::string finish(const std::string& error, bool failing, int64_t late) override;
 
  private:
   /// How long a failing call waits for its peers' answers (Note [Ending a call]).
@@ -66,6 +76,7 @@ class GlooLink final : public Link {
     bool ended = false;      // the pump is done
     bool drained = false;    // every send went out (or failed)
     bool abandoned = false;  // finish() gave up on the peer
+    bool late = false;       // a receive from it timed out, here or on a rank that said so
   };
 
   // The receiving half of the debug hook (Note [Message addresses] in

@@ -37,7 +37,7 @@ struct WireMessage {
   std::shared_ptr<c10::Event> ready;
   // Call: the first rank's description of the call (CallInfo's fields).
   std::vector<int64_t> call;
-  // Abort: what failed.
+  // Abort: what failed; `from` is then the rank found late (-1: none).
   std::string text;
 };
 
@@ -55,8 +55,11 @@ class Link {
   /// [Ending a call] in gloo_link-inl.h), cut to a few seconds
   /// once the call is `failing` or a peer's Abort or loss arrives (a healthy
   /// peer answers an Abort at once; one that does not is stalled, and the
-  /// group is broken). Returns what went wrong on the way ("" if nothing).
-  virtual std::string finish(const std::string& error, bool failing) = 0;
+  /// group is broken). `late`: the pipeline rank a receive here timed out
+  /// on (-1: none); the Abort names it, and neither this rank nor one that
+  /// gets the Abort waits for its End. Returns what went wrong on the way
+  /// ("" if nothing).
+  virtual std::string finish(const std::string& error, bool failing, int64_t late) = 0;
 };
 
 /// Called from the link's receiving threads: a Call or Data message from

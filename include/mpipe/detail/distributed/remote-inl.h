@@ -60,8 +60,8 @@ namespace detail {
 // and its Abort, naming the stalled rank, reaches the others before they give
 // up; a receive from a stage of the same rank waits without a timeout (that
 // stage delivers or the call fails), so no rank ever names itself. The call
-// then ends within kAnswer without the stalled rank's End (Note [Ending a
-// call] in gloo_link-inl.h). A rank stalled before the pipeline's first
+// then ends without waiting for the stalled rank's End: the Abort carries
+// its rank (Note [Ending a call] in gloo_link-inl.h). A rank stalled before the pipeline's first
 // call is named by the exchange of the stage ranges (one message to and from
 // every rank, each waited for with the timeout). A stall, a death or a broken
 // protocol marks the group broken: later calls fail at once (restart every
@@ -192,7 +192,7 @@ MPIPE_FUNC RemoteCall::RemoteCall(const distributed::ProcessGroup& group, const 
 MPIPE_FUNC RemoteCall::~RemoteCall() {
   if (link_) {
     try {
-      link_->finish("the call ended without finishing", true);
+      link_->finish("the call ended without finishing", true, -1);
     } catch (...) {
     }
   }
@@ -211,6 +211,7 @@ MPIPE_FUNC CallInfo RemoteCall::await_call(const char* method) {
   std::unique_lock<std::mutex> lock(mutex_);
   const bool done = changed_.wait_for(lock, group_.timeout(),
                                       [&] { return has_call_ || !failure_.empty(); });
+  if (!done && late_ < 0) late_ = 0;  // the first pipeline rank (late(), locked here)
   TORCH_CHECK(done, "mpipe::ModelPipeline::", method, ": nothing arrived from rank ",
               detail::group_impl(group_)->world_rank(0), " (the first rank) within ",
               group_.timeout().count() / 1000.0, " s: it did not start the call (stalled?)");
@@ -246,6 +247,11 @@ MPIPE_FUNC void RemoteCall::deliver(int64_t peer, WireMessage m) {
   to->deliver(peer, std::move(m));  // outside the lock: it may fail the call
   std::lock_guard<std::mutex> lock(mutex_);
   if (--busy_ == 0) changed_.notify_all();
+}
+
+MPIPE_FUNC void RemoteCall::late(int64_t peer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (late_ < 0) late_ = peer;
 }
 
 MPIPE_FUNC void RemoteCall::failed(int64_t peer, const std::string& why) {
@@ -311,13 +317,20 @@ MPIPE_FUNC std::string RemoteCall::finish(const std::string& error, const char* 
     std::lock_guard<std::mutex> lock(mutex_);
     failing |= !failure_.empty();
   }
-  const std::string problems = link_->finish(error, failing);
+  int64_t late;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    late = late_;
+  }
+  const std::string problems = link_->finish(error, failing, late);
   link_.reset();
   std::string others;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& f : failures_) {
-      if (error.find(f) == std::string::npos) others += (others.empty() ? "" : "; ") + f;
+      if (error.find(f) == std::string::npos && others.find(f) == std::string::npos) {
+        others += (others.empty() ? "" : "; ") + f;
+      }
     }
   }
   if (!problems.empty()) others += (others.empty() ? "" : "; ") + problems;

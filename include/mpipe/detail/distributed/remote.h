@@ -97,6 +97,9 @@ class RemoteCall : public CallLink {
   /// rank failed). Without a local error, throws what other ranks reported;
   /// with one, returns it ("" if nothing) for the caller's message.
   std::string finish(const std::string& error, const char* method);
+  /// A receive from pipeline rank `peer` timed out here: finish() tells the
+  /// others, and none waits for that rank's End (Note [Ending a call]).
+  void late(int64_t peer);
 
  private:
   void deliver(int64_t peer, WireMessage m);
@@ -120,6 +123,7 @@ class RemoteCall : public CallLink {
   int64_t call_from_ = -1;
   CallInfo call_;
   std::string failure_;                // the first peer failure
+  int64_t late_ = -1;                  // late(): the first rank a receive timed out on
   std::vector<std::string> failures_;  // every one
 };
 

@@ -37,8 +37,8 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
   };
   // The rank a receive waits on: the producer's, or for a skip (its
   // stasher is not known here) the rank of the nearest earlier stage that is
-  // not this rank's.
-  local_.sender_of = [this, producer](int64_t to, const Key& key) -> std::string {
+  // not this rank's; -1 when none.
+  auto sender = [this, producer](int64_t to, const Key& key) -> int64_t {
     const Layout& l = call_.layout();
     const int64_t from = producer(to, key);
     int64_t rank = -1;
@@ -49,9 +49,21 @@ MPIPE_FUNC RemoteTransport::RemoteTransport(LocalTransport& local, RemoteCall& c
         if (!map_.holds(s)) rank = l.rank_of(s);
       }
     }
-    if (rank < 0 || rank >= call_.group().pipeline_size()) return "another rank";
+    return rank >= 0 && rank < call_.group().pipeline_size() ? rank : -1;
+  };
+  local_.sender_of = [this, producer, sender](int64_t to, const Key& key) -> std::string {
+    const int64_t rank = sender(to, key);
+    if (rank < 0) return "another rank";
     const std::string world = c10::str("rank ", detail::group_impl(call_.group())->world_rank(rank));
-    return from >= 0 && from < l.n_stages ? c10::str(world, " (stage ", from, ")") : world;
+    const int64_t from = producer(to, key);
+    return from >= 0 && from < call_.layout().n_stages ? c10::str(world, " (stage ", from, ")")
+                                                        : world;
+  };
+  // A receive that gave up names its sender as late, when that is known (not
+  // a skip's guessed stasher): Note [Ending a call] in gloo_link-inl.h.
+  local_.timed_out = [this, producer, sender](int64_t to, const Key& key) {
+    const int64_t from = producer(to, key);
+    if (from >= 0 && from < call_.layout().n_stages) call_.late(sender(to, key));
   };
   // A stall upstream leaves every later rank waiting for inputs, one behind
   // the other; downstream, every earlier rank waiting for gradients. The rank

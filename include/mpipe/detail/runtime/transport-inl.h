@@ -92,6 +92,7 @@ MPIPE_FUNC Tensors LocalTransport::receive(int64_t to, const Key& key) {
     const auto wait = patience ? patience(to, key) : timeout_;
     if (blocking_ && timeout_.count() > 0 && wait.count() > 0) {
       const bool arrived = arrived_[slot(to)].wait_for(lock, wait, ready);
+      if (!arrived && timed_out) timed_out(to, key);
       TORCH_CHECK(arrived, "nothing arrived from ",
                   sender_of ? sender_of(to, key) : std::string("another rank"),
                   " within ", wait.count() / 1000.0,

@@ -133,6 +133,9 @@ class LocalTransport : public Transport {
   /// Across processes: who should have sent `key` to stage `to` ("rank 2
   /// (stage 4)"), for the message of a receive that timed out.
   std::function<std::string(int64_t to, const Key& key)> sender_of;
+  /// Across processes: a receive of `key` by stage `to` gave up waiting
+  /// (called before it throws), so the call can name the late rank.
+  std::function<void(int64_t to, const Key& key)> timed_out;
   /// Across processes: how long a receive of `key` waits (else the timeout;
   /// 0: without a timeout).
   std::function<std::chrono::milliseconds(int64_t to, const Key& key)> patience;
