@@ -10,7 +10,8 @@
 // With --fault, world rank R dies (exits) or stalls at call K of the mix,
 // inside one of its stages' forward or before the call (drawn); every other
 // rank must fail call K within the documented bound (docs/distributed.md,
-// Failures: the group's timeout + 0.5 s per rank + 2 s) naming rank R, and
+// Failures: the group's timeout + 0.5 s per rank + 2 s) naming rank R and no
+// other rank as the one that did not send, answer or could not be reached, and
 // its next call at once. Each prints "stress fault: ..." and exits.
 //
 // ctest runs a short form (tests/CMakeLists.txt), under the debug hook that
@@ -351,6 +352,19 @@ struct Fault {
   int64_t at = -1, rank = -1;
 };
 
+/// A rank other than `faulty` (of `n`) that `message` names as the one
+/// that failed to send, answer or be reached; -1 if none.
+int64_t bystander_named(const std::string& message, int64_t faulty, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) {
+    const std::string rank = "rank " + std::to_string(r);
+    if (r == faulty) continue;
+    for (const std::string& s : {"from " + rank + " ", rank + " did not", rank + " cannot"}) {
+      if (message.find(s) != std::string::npos) return r;
+    }
+  }
+  return -1;
+}
+
 /// Call `index` on `p` with --fault's rank dying or stalling in it (or before
 /// it); on the others, the checks of the header's comment. Never returns.
 [[noreturn]] void fault_call(Stress& st, Pipe& p, int64_t index, const Fault& f, double timeout_s) {
@@ -391,6 +405,8 @@ struct Fault {
     bad = "call " + std::to_string(index) + " did not fail";
   } else if (first.first.find(named) == std::string::npos) {
     bad = "the message does not name " + named;
+  } else if (const int64_t r = bystander_named(first.first, f.rank, n); r >= 0) {
+    bad = c10::str("the message names rank ", r, ", not the faulty one");
   } else if (first.second > bound) {
     bad = c10::str("it failed after ", first.second, " s, past the bound of ", bound, " s");
   } else if (next.first.empty()) {
