@@ -61,9 +61,9 @@ namespace detail {
 // up; a receive from a stage of the same rank waits without a timeout (that
 // stage delivers or the call fails), so no rank ever names itself. The call
 // then ends without waiting for the stalled rank's End: the Abort carries
-// its rank (Note [Ending a call] in gloo_link-inl.h). A rank stalled before the pipeline's first
-// call is named by the exchange of the stage ranges (one message to and from
-// every rank, each waited for with the timeout). A stall, a death or a broken
+// its rank (Note [Ending a call] in gloo_link-inl.h). A rank stalled before
+// the pipeline's first call is named by the exchange of the stage ranges (one
+// message to and from every rank, each waited for with the timeout). A stall, a death or a broken
 // protocol marks the group broken: later calls fail at once (restart every
 // rank). Errors in a stage or in a call's arguments leave the group usable.
 //
