@@ -12,12 +12,13 @@
 // each micro-batch with its own statistics like BatchNorm, but accumulates the
 // per-channel statistics over the micro-batches of a call and updates
 // running_mean and running_var once, when it has seen all of them (their
-// count is current_micro_batch()'s; any order), with the whole batch's mean
-// and unbiased variance:
-// the running statistics equal the unsplit model's. The per-micro-batch means
-// and sums of squared deviations are combined in double precision (Chan et
-// al.'s pairwise update), so the variance stays exact when the data's mean is
-// large against its spread (E[x^2] - mean^2 in float would not).
+// count is current_micro_batch()'s), with the whole batch's mean and unbiased
+// variance: the running statistics equal the unsplit model's. The
+// per-micro-batch means and sums of squared deviations are combined in double
+// precision (Chan et al.'s pairwise update), so the variance stays exact when
+// the data's mean is large against its spread (E[x^2] - mean^2 in float would
+// not), and in micro-batch order whatever order the forwards ran in (given
+// programs may run them out of order), so the result has the same bits.
 //
 // The partial statistics are state (mpipe::Stateful, Note [State snapshots]):
 // a checkpointed recompute starts from, and leaves, the state of the original
@@ -34,6 +35,7 @@
 #include <mpipe/state.h>
 
 #include <ostream>
+#include <vector>
 
 namespace mpipe {
 
@@ -70,7 +72,7 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
 
   /// Drops the partial statistics of a call in progress (never the running ones).
   void reset_state() override;
-  bool holds_state() const override { return count_ > 0; }
+  bool holds_state() const override { return !parts_.empty(); }
   bool supports_state_snapshots() const override { return true; }
   std::any save_state() const override;
   void load_state(const std::any& state) override;
@@ -90,9 +92,13 @@ class DeferredBatchNormImpl : public torch::nn::Cloneable<DeferredBatchNormImpl>
 
  private:
   void commit();
-  at::Tensor mean_, m2_;  // double: mean and sum of squared deviations so far
-  int64_t count_ = 0;     // rows so far
-  int64_t seen_ = 0;      // micro-batches so far
+  /// One forward's statistics, combined at commit() in micro-batch order.
+  struct Part {
+    int64_t micro_batch = 0;
+    int64_t rows = 0;
+    at::Tensor mean, m2;  // double: mean and sum of squared deviations
+  };
+  std::vector<Part> parts_;  // in the order the forwards ran
 };
 /// A holder for DeferredBatchNormImpl, as torch::nn's modules have.
 TORCH_MODULE(DeferredBatchNorm);

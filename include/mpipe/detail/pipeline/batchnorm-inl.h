@@ -11,6 +11,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <any>
 #include <tuple>
 #include <vector>
@@ -20,9 +21,9 @@ namespace mpipe {
 namespace detail {
 
 /// Everything a call can change (Note [State snapshots]).
+template <typename Part>
 struct DeferredBatchNormState {
-  at::Tensor mean, m2;
-  int64_t count = 0, seen = 0;
+  std::vector<Part> parts;  // their tensors are never written in place
   at::Tensor running_mean, running_var, num_batches_tracked;  // clones
 };
 
@@ -48,11 +49,7 @@ MPIPE_FUNC void DeferredBatchNormImpl::reset() {
   reset_state();
 }
 
-MPIPE_FUNC void DeferredBatchNormImpl::reset_state() {
-  mean_ = m2_ = at::Tensor();
-  count_ = 0;
-  seen_ = 0;
-}
+MPIPE_FUNC void DeferredBatchNormImpl::reset_state() { parts_.clear(); }
 
 MPIPE_FUNC at::Tensor DeferredBatchNormImpl::forward(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 2 && x.size(1) == options.num_features(),
@@ -71,35 +68,40 @@ MPIPE_FUNC at::Tensor DeferredBatchNormImpl::forward(const at::Tensor& x) {
     for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
     at::Tensor xd = x.detach();
     if (xd.scalar_type() == at::kHalf || xd.scalar_type() == at::kBFloat16) xd = xd.to(at::kFloat);
-    // This micro-batch's mean and sum of squared deviations, combined with
-    // those so far (Chan, Golub and LeVeque's pairwise update) in double.
+    // This micro-batch's mean and sum of squared deviations, in double.
     const auto var_mean = at::var_mean(xd, at::IntArrayRef(dims), /*unbiased=*/false,
                                        /*keepdim=*/false);
     const int64_t nb = x.numel() / options.num_features();
-    const at::Tensor mean_b = std::get<1>(var_mean).to(at::kDouble);
-    const at::Tensor m2_b = std::get<0>(var_mean).to(at::kDouble) * static_cast<double>(nb);
-    if (count_ == 0) {
-      mean_ = mean_b;
-      m2_ = m2_b;
-    } else {
-      const double na = static_cast<double>(count_), n = na + static_cast<double>(nb);
-      const at::Tensor delta = mean_b - mean_;
-      mean_ = mean_ + delta * (static_cast<double>(nb) / n);
-      m2_ = m2_ + m2_b + delta * delta * (na * static_cast<double>(nb) / n);
-    }
-    count_ += nb;
+    parts_.push_back(Part{current_micro_batch().index, nb,
+                          std::get<1>(var_mean).to(at::kDouble),
+                          std::get<0>(var_mean).to(at::kDouble) * static_cast<double>(nb)});
   }
   // Once every micro-batch was seen, in whatever order a program ran them.
-  if (++seen_ == current_micro_batch().count) commit();
+  if (static_cast<int64_t>(parts_.size()) == current_micro_batch().count) commit();
   return y;
 }
 
 MPIPE_FUNC void DeferredBatchNormImpl::commit() {
   c10::NoGradGuard no_grad;
-  const double n = static_cast<double>(count_);
-  const at::Tensor unbiased = count_ > 1 ? m2_ / (n - 1) : m2_ / n;
+  // In micro-batch order (Note [Deferred BatchNorm]): Chan, Golub and
+  // LeVeque's pairwise update, one micro-batch at a time.
+  std::stable_sort(parts_.begin(), parts_.end(),
+                   [](const Part& a, const Part& b) { return a.micro_batch < b.micro_batch; });
+  at::Tensor mean = parts_[0].mean, m2 = parts_[0].m2;
+  int64_t count = parts_[0].rows;
+  for (size_t k = 1; k < parts_.size(); ++k) {
+    const Part& b = parts_[k];
+    const double na = static_cast<double>(count), nb = static_cast<double>(b.rows);
+    const double n = na + nb;
+    const at::Tensor delta = b.mean - mean;
+    mean = mean + delta * (nb / n);
+    m2 = m2 + b.m2 + delta * delta * (na * nb / n);
+    count += b.rows;
+  }
+  const double n = static_cast<double>(count);
+  const at::Tensor unbiased = count > 1 ? m2 / (n - 1) : m2 / n;
   const double m = options.momentum();
-  running_mean.mul_(1 - m).add_(mean_.to(running_mean.options()) * m);
+  running_mean.mul_(1 - m).add_(mean.to(running_mean.options()) * m);
   running_var.mul_(1 - m).add_(unbiased.to(running_var.options()) * m);
   num_batches_tracked.add_(1);
   reset_state();
@@ -107,22 +109,14 @@ MPIPE_FUNC void DeferredBatchNormImpl::commit() {
 
 MPIPE_FUNC std::any DeferredBatchNormImpl::save_state() const {
   c10::NoGradGuard no_grad;
-  return detail::DeferredBatchNormState{mean_,
-                                        m2_,
-                                        count_,
-                                        seen_,
-                                        running_mean.clone(),
-                                        running_var.clone(),
-                                        num_batches_tracked.clone()};
+  return detail::DeferredBatchNormState<Part>{parts_, running_mean.clone(), running_var.clone(),
+                                              num_batches_tracked.clone()};
 }
 
 MPIPE_FUNC void DeferredBatchNormImpl::load_state(const std::any& state) {
-  const auto& s = std::any_cast<const detail::DeferredBatchNormState&>(state);
+  const auto& s = std::any_cast<const detail::DeferredBatchNormState<Part>&>(state);
   c10::NoGradGuard no_grad;
-  mean_ = s.mean;
-  m2_ = s.m2;
-  count_ = s.count;
-  seen_ = s.seen;
+  parts_ = s.parts;
   running_mean.copy_(s.running_mean);
   running_var.copy_(s.running_var);
   num_batches_tracked.copy_(s.num_batches_tracked);
