@@ -301,4 +301,18 @@ struct HostCallsImpl : torch::nn::Module {
 };
 TORCH_MODULE(HostCalls);
 
+/// Across processes: a rank other than `faulty` (of `n`) that a failed
+/// call's `message` names as the one that did not send or answer, or that
+/// could not be reached; -1 if none.
+inline int64_t bystander_named(const std::string& message, int64_t faulty, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) {
+    const std::string rank = "rank " + std::to_string(r);
+    if (r == faulty) continue;
+    for (const std::string& s : {"from " + rank + " ", rank + " did not", rank + " cannot"}) {
+      if (message.find(s) != std::string::npos) return r;
+    }
+  }
+  return -1;
+}
+
 }  // namespace mpipe_test

@@ -202,6 +202,7 @@ at::Tensor step_sum(const at::Tensor& steps) {  // summed step by step, as the p
   return sum;
 }
 
+using mpipe_test::bystander_named;
 using mpipe_test::mse;
 
 /// One call on `p`, checked; `describe` says what it was. Returns false on
@@ -351,19 +352,6 @@ struct Fault {
   std::string kind;  // "die" or "stall"; empty: none
   int64_t at = -1, rank = -1;
 };
-
-/// A rank other than `faulty` (of `n`) that `message` names as the one
-/// that failed to send, answer or be reached; -1 if none.
-int64_t bystander_named(const std::string& message, int64_t faulty, int64_t n) {
-  for (int64_t r = 0; r < n; ++r) {
-    const std::string rank = "rank " + std::to_string(r);
-    if (r == faulty) continue;
-    for (const std::string& s : {"from " + rank + " ", rank + " did not", rank + " cannot"}) {
-      if (message.find(s) != std::string::npos) return r;
-    }
-  }
-  return -1;
-}
 
 /// Call `index` on `p` with --fault's rank dying or stalling in it (or before
 /// it); on the others, the checks of the header's comment. Never returns.

@@ -102,6 +102,7 @@ void expect_same_grads(const mpipe::ModelPipeline& pipe, const Stages& reference
   }
 }
 
+using mpipe_test::bystander_named;
 using mpipe_test::mse;
 
 bool skip_unless_one_replica() { return group().replicas() != 1; }
@@ -1440,12 +1441,8 @@ TEST(Faults, EveryRankFailsWithinTheBoundNamingTheFaultyRank) {
                 took, what.c_str());
     const std::string bad = "rank " + std::to_string(d.rank);
     EXPECT_NE(what.find(bad), std::string::npos) << "the message should name " << bad;
-    for (int64_t r = 0; r < group().world_size() && !faulty; ++r) {  // nor itself, nor a bystander
-      if (r == d.rank) continue;
-      const std::string other = "rank " + std::to_string(r);
-      EXPECT_EQ(what.find("from " + other), std::string::npos) << "names " << other << ": " << what;
-      EXPECT_EQ(what.find(other + " did not"), std::string::npos) << "names " << other << ": " << what;
-      EXPECT_EQ(what.find(other + " cannot"), std::string::npos) << "names " << other << ": " << what;
+    if (!faulty) {  // nor itself, nor a bystander
+      EXPECT_EQ(bystander_named(what, d.rank, group().world_size()), -1) << what;
     }
     const double timeout_s = group().timeout().count() / 1000.0;
     EXPECT_LT(took, timeout_s + 5) << what;
