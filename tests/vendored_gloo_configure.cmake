@@ -72,7 +72,7 @@ endforeach()
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer/add_subdirectory -B ${WORK_DIR}/consumer
     -G ${GENERATOR} ${_args} -DMPIPE_SOURCE_DIR=${_src} -DMPIPE_GLOO_INCLUDE=${_gloo}
-    -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+    -DMPIPE_CONSUMER_MODE=header_only -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   RESULT_VARIABLE _code OUTPUT_VARIABLE _out ERROR_VARIABLE _out TIMEOUT 600)
 message(STATUS "cmake (add_subdirectory consumer) exited with ${_code}; output:\n${_out}")
 if(NOT _code EQUAL 0)

@@ -1,6 +1,6 @@
 // A user's program: builds a two-stage pipeline and checks it against the
-// plain model. Built by the consumer tests through find_package and through
-// add_subdirectory, against mpipe::mpipe and against mpipe::mpipe_header_only.
+// plain model. Built by the consumer tests through find_package (against
+// mpipe::mpipe_header_only) and through add_subdirectory (mpipe::mpipe).
 // Header-only through find_package, two files include mpipe (this one and
 // second.cpp), so that header-only mode must define everything once (inline)
 // or fail to link (common/consumer.cmake).
