@@ -244,7 +244,7 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
       guarded(r, "mpipe_graph_fwd_ms",
               [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
       // Two streams per stage (Note [Lanes]), eager and graphed; graphed
-      // with 4 and 8 (what a replay's automatic lanes could be).
+      // with 4 and 8 (8: what a replay of 8 micro-batches chooses itself).
       for (const auto& lg : std::vector<std::pair<int64_t, bool>>{{2, false}, {2, true}, {4, true}, {8, true}}) {
         mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
                                        .worker_threads(!inline_host)

@@ -462,18 +462,21 @@ TEST(AutoCudaGraphs, RepeatedInferenceCallsAreReplayedWithEagerResults_CUDA) {
   EXPECT_EQ(automatic->cuda_graphs_captured(), 1u);
   EXPECT_GT(host->calls, replayed) << "a new capture after the storage moved";
   // Another split and another shape: two eager runs each before a capture.
+  // Split 1 makes 12 micro-batches: the replay's 8 lanes (Note [Lanes]) each
+  // take one, and lanes 0-3 a second.
   const auto x2 = torch::randn({5, 16}, g);
   for (int call = 1; call <= 3; ++call) {
     EXPECT_TRUE(torch::equal(automatic->forward(x, 2), eager_forward(stages, x, 2)));
     EXPECT_TRUE(torch::equal(automatic->forward(x2, 4), eager_forward(stages, x2, 4)));
+    EXPECT_TRUE(torch::equal(automatic->forward(x, 1), eager_forward(stages, x, 1)));
   }
-  EXPECT_EQ(automatic->cuda_graphs_captured(), 3u);
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 4u);
   // Gradients on: eager, differentiable, nothing captured.
   {
     torch::AutoGradMode grad_on(true);
     for (int call = 0; call < 3; ++call) EXPECT_TRUE(automatic->forward(x, 3).requires_grad());
   }
-  EXPECT_EQ(automatic->cuda_graphs_captured(), 3u);
+  EXPECT_EQ(automatic->cuda_graphs_captured(), 4u);
   automatic->clear_cuda_graphs();
   EXPECT_EQ(automatic->cuda_graphs_captured(), 0u);
   // Switched off: every call eager.

@@ -87,10 +87,12 @@ struct ModelPipelineOptions {
   /// results are the same. Only stages that hold no state (no buffers, no
   /// stateful modules) spread; the others, training steps, time-step calls and
   /// calls under autocast (whose micro-batches share a stage's weight casts)
-  /// use one stream per stage. 0 (the default) chooses: 2 in a forward replayed
-  /// from a CUDA graph, where a second stream measured faster, and 1 (one
-  /// stream per stage) in eager calls, where the extra launches cost more than
-  /// they overlap (bench/RESULTS.md). See Note [Lanes].
+  /// use one stream per stage. 0 (the default) chooses: in a forward replayed
+  /// from a CUDA graph, one lane per micro-batch up to 8 (a replay adds no host
+  /// cost per lane, and more lanes measured faster; each lane holds its
+  /// micro-batch's activations in the graph's memory), and 1 (one stream per
+  /// stage) in eager calls, where the extra launches cost more than they
+  /// overlap (bench/RESULTS.md). See Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 0;
   /// train_step under autocast: each mpipe::Linear weight (float32) is cast
   /// once per step and stage, and the micro-batches' gradients of that cast

@@ -88,7 +88,7 @@ MPIPE_FUNC at::Tensor GraphPolicy::replay(ModelPipelineImpl& pipeline, const std
                                           const std::vector<at::Tensor>& watched,
                                           const at::Tensor& x, const Eager& eager) {
   PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-  ScopedFlag graph_run(in_graph_run_);  // lanes(0) means 2 lanes in a graph (Note [Lanes])
+  ScopedFlag graph_run(in_graph_run_);  // lanes(0) means up to 8 lanes in a graph (Note [Lanes])
   at::Tensor out = run_graphed(
       *cache_, key, x, watched, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
       [&pipeline] { reset_states(pipeline); });

@@ -51,7 +51,7 @@ class GraphPolicy {
   /// Drops every graph: parameters moved or stages changed.
   void drop();
 
-  /// A no-grad call is being captured: lanes(0) means 2 lanes.
+  /// A no-grad call is being captured: lanes(0) means up to 8 lanes.
   bool in_graph_run() const { return in_graph_run_; }
 
  private:
