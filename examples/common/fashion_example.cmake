@@ -14,9 +14,6 @@ function(mpipe_fashion_example name)
   add_executable(${name} main.cpp)
   target_include_directories(${name} SYSTEM PRIVATE ${CLI11_INCLUDE_DIR})
   target_link_libraries(${name} PRIVATE mpipe::mpipe mpipe_examples_fashion_data)
-  if(COMMAND mpipe_program_pch)  # in mpipe's tree: Note [Programs' precompiled header]
-    mpipe_program_pch(${name})
-  endif()
 endfunction()
 
 # A ctest that runs `name` on the CPU with `min_accuracy` asserted and the
