@@ -109,8 +109,8 @@ MPIPE_FUNC at::Tensor GraphPolicy::call(ModelPipelineImpl& pipeline, const Stage
 // Note [Automatic CUDA graphs]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Inference calls that repeat are bound by the host's launches when their
-// kernels are small (narrow-mlp: eager 5-6.7 ms, its replay with 2 lanes
-// 2.8 ms, bench/RESULTS.md), so with ModelPipelineOptions::auto_cuda_graphs
+// kernels are small (narrow-mlp: eager 5-6.7 ms, its replay 2.8-2.9 ms,
+// bench/RESULTS.md), so with ModelPipelineOptions::auto_cuda_graphs
 // (the default) they are replayed without a flag, where a replay cannot be
 // told from an eager call:
 //  - no gradients, one CUDA device, one input tensor, one process, no
