@@ -663,8 +663,8 @@ TEST(SkipsAcrossDevices, SkipsMoveBetweenDevices_CUDA) {
 }
 
 TEST(SkipsAcrossDevices, SkipsCrossLanes_CUDA) {
-  // Note [Lanes]: stashed on one lane of a stage, popped on another lane of a
-  // later stage, on one GPU and across the CPU.
+  // Note [Lanes]: stashed and popped on the micro-batch's lane of its device
+  // (one lane per stage before), on one GPU and across the CPU.
   MPIPE_REQUIRE_CUDA(1);
   const torch::Device cpu(torch::kCPU), gpu(torch::kCUDA, 0);
   for (bool threaded : {true, false}) {

@@ -80,19 +80,20 @@ struct ModelPipelineOptions {
   /// See Notes [Automatic CUDA graphs] and [Automatic graphs of training
   /// steps].
   TORCH_ARG(bool, auto_cuda_graphs) = true;
-  /// forward() on CUDA: each stage spreads its micro-batches over this many
-  /// streams (micro-batch i on lane i % lanes), so up to `lanes` micro-batches
-  /// of one stage run on the GPU at once. It pays where a stage's kernels are
-  /// too small to fill the GPU (several stages on one GPU, small micro-batches);
-  /// results are the same. Only stages that hold no state (no buffers, no
-  /// stateful modules) spread; the others, training steps, time-step calls and
-  /// calls under autocast (whose micro-batches share a stage's weight casts)
-  /// use one stream per stage. 0 (the default) chooses: in a forward replayed
-  /// from a CUDA graph, one lane per micro-batch up to 8 (a replay adds no host
-  /// cost per lane, and more lanes measured faster; each lane holds its
-  /// micro-batch's activations in the graph's memory), and 1 (one stream per
-  /// stage) in eager calls, where the extra launches cost more than they
-  /// overlap (bench/RESULTS.md). See Note [Lanes].
+  /// forward() on CUDA: each GPU gets this many streams (lanes), and
+  /// micro-batch i runs on lane i % lanes through every stage on that GPU, so
+  /// up to `lanes` micro-batches run on a GPU at once and a micro-batch passes
+  /// between stages of one GPU without an event. It pays where a stage's
+  /// kernels are too small to fill the GPU (several stages on one GPU, small
+  /// micro-batches); results are the same. Only stages that hold no state (no
+  /// buffers, no stateful modules) use lanes; the others, training steps,
+  /// time-step calls and calls under autocast (whose micro-batches share a
+  /// stage's weight casts) use one stream per stage. 0 (the default) chooses:
+  /// in a forward replayed from a CUDA graph, one lane per micro-batch up to 8
+  /// (a replay adds no host cost per lane, and more lanes measured faster; each
+  /// lane holds its micro-batch's activations in the graph's memory), and 1
+  /// (one stream per stage) in eager calls, where a stage's own stream overlaps
+  /// it with the others at a lower host cost (bench/RESULTS.md). See Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 0;
   /// train_step under autocast: each mpipe::Linear weight (float32) is cast
   /// once per step and stage, and the micro-batches' gradients of that cast

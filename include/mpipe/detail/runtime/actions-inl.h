@@ -60,9 +60,7 @@ MPIPE_FUNC c10::optional<c10::Stream> Executor::stream_for(const CallSpec& call,
                                                            int64_t i) const {
   const StagePlace& stage = place(j);
   if (call.lanes <= 1 || !stage.compute || !call.lane_stages[local(j)]) return stage.compute;
-  const auto lane = static_cast<size_t>(i % call.lanes);
-  if (lane == 0 || lane > stage.lanes.size()) return stage.compute;
-  return stage.lanes[lane - 1];
+  return stage.lanes.at(static_cast<size_t>(i % call.lanes));
 }
 
 MPIPE_FUNC void Executor::forward_action(Run& run, int64_t j, int64_t i, const char*& phase) {

@@ -24,6 +24,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <set>
@@ -75,30 +76,32 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // On one GPU a small stage's kernels fill a fraction of it (narrow-mlp: a GEMM
 // of 64 x 1024 x 1024 runs on 16 of the H200's 132 SMs), and one stream per
 // stage lets at most one micro-batch per stage run at a time. With lanes(k), a
-// forward call computes micro-batch i of stage j on lane i % k of the stage:
-// lane 0 is its compute stream, lanes 1..k-1 are shared streams of their own.
-// A value's event is recorded on the lane that produced it and waited for on
-// the lane that consumes it (Note [Hand-offs]); fork() and join() cover every
-// lane, so a CUDA graph captures them too. Micro-batches of one stage are
-// independent only when the stage keeps no state, so stages with buffers or
-// stateful modules, training steps (whose backward follows each forward's
-// stream) and time-step calls keep one stream. The values are the same: each
-// micro-batch runs the same kernels, only their order on the GPU changes.
-// lanes(0) chooses one lane per micro-batch, up to 8, in a forward replayed
-// from a graph (a replay pays nothing on the host per lane, and 8 lanes
-// measured 1-5 % faster than 2 on narrow-mlp), and one stream in eager calls,
-// where each lane's events cost host time the overlap does not win back.
+// forward call computes micro-batch i on lane i % k, a stream of the device
+// that every stage on it uses: a micro-batch goes from stage to stage of one
+// device on one lane, ordered by the order of the launches (the consumer
+// launches after the producer's send), so those hand-offs need no event
+// (Note [Hand-offs]); up to k micro-batches run at once on the device. A
+// value crossing lanes or devices waits for its event as usual; fork() and
+// join() cover every lane, so a CUDA graph captures them too. Per-stage lanes
+// (k streams per stage, an event per hand-off) measured 13-20 % slower on
+// narrow-mlp's replay than per-device ones with 8 lanes (bench/RESULTS.md).
+// Micro-batches of one stage are independent only when the stage keeps no
+// state, so stages with buffers or stateful modules, training steps (whose
+// backward follows each forward's stream) and time-step calls keep their
+// compute stream. The values are the same: each micro-batch runs the same
+// kernels, only their order on the GPU changes. lanes(0) chooses one lane per
+// micro-batch, up to 8, in a forward replayed from a graph (a replay pays
+// nothing on the host per lane), and the stages' own streams in eager calls,
+// where lanes cost host time (their events, and the lost overlap between
+// stages is not won back by the micro-batches').
 
 MPIPE_FUNC void Executor::ensure_lanes(int64_t k) {
-  for (size_t j = 0; j < stages_.size(); ++j) {
-    StagePlace& stage = stages_[j];
+  for (StagePlace& stage : stages_) {
     if (!stage.compute) continue;
-    size_t on_device = 0;
-    for (size_t q = 0; q < j; ++q) on_device += stages_[q].device == stage.device;
-    // Slots past the stages' own (Note [Shared streams and workers]).
-    while (static_cast<int64_t>(stage.lanes.size()) + 1 < k) {
-      stage.lanes.push_back(shared_stream(stage.device, StreamRole::Compute,
-                                          64 + 16 * on_device + stage.lanes.size()));
+    // The device's lanes: slots past the stages' own (Note [Shared streams and workers]).
+    while (static_cast<int64_t>(stage.lanes.size()) < k) {
+      stage.lanes.push_back(
+          shared_stream(stage.device, StreamRole::Compute, 64 + stage.lanes.size()));
     }
   }
 }
@@ -356,15 +359,21 @@ MPIPE_FUNC void Executor::fork() const {
     for (const StagePlace& s : stages_) {
       if (s.device != stages_[j].device) continue;
       event->block(*s.compute);
-      for (const auto& lane : s.lanes) event->block(lane);
     }
+    for (const auto& lane : stages_[j].lanes) event->block(lane);  // the device's
   }
 }
 
 MPIPE_FUNC void Executor::join() const {
+  std::vector<c10::Stream> joined;  // stages of one device share their lanes
+  auto join_one = [&joined](const c10::Stream& s) {
+    if (std::find(joined.begin(), joined.end(), s) != joined.end()) return;
+    joined.push_back(s);
+    record_event(s)->block(current_stream(s.device()));
+  };
   for (const StagePlace& s : stages_) {
-    if (s.compute) record_event(*s.compute)->block(current_stream(s.device));
-    for (const auto& lane : s.lanes) record_event(lane)->block(current_stream(s.device));
+    if (s.compute) join_one(*s.compute);
+    for (const auto& lane : s.lanes) join_one(lane);
   }
 }
 

@@ -126,8 +126,8 @@ struct CallSpec {
   std::vector<at::Tensor> losses;
   at::Tensor loss_sum;
 
-  /// Forward calls: stage j (local index) spreads its items over `lanes`
-  /// streams when `lane_stages[j]` (Note [Lanes]).
+  /// Forward calls: stage j (local index) computes item i on its device's
+  /// lane i % `lanes` when `lane_stages[j]` (Note [Lanes]).
   int64_t lanes = 1;
   std::vector<bool> lane_stages;
   /// Records every task when the timeline is on (Note [Timeline]); else null.
@@ -220,7 +220,7 @@ class Executor {
   /// The stream stage `stage` computes item `item` of `call` on: a lane, or
   /// its compute stream (Note [Lanes]).
   c10::optional<c10::Stream> stream_for(const CallSpec& call, int64_t stage, int64_t item) const;
-  /// Makes `k` - 1 lane streams for every CUDA stage (Note [Lanes]).
+  /// Makes `k` lane streams for every CUDA device (Note [Lanes]).
   void ensure_lanes(int64_t k);
   size_t local(int64_t stage) const { return map_.at(stage); }
 

@@ -27,17 +27,12 @@ MPIPE_FUNC void LocalTransport::send(int64_t from, int64_t to, const Key& key, T
   Parcel parcel{std::move(values), nullptr, from};
   if (from >= 0) {
     const StagePlace& producer = place(from);
-    if (producer.compute) {
-      // The producer's lane, when it computed on one (its current stream then).
-      c10::Stream on = *producer.compute;
-      if (!producer.lanes.empty()) {
-        const c10::Stream current = current_stream(producer.device);
-        for (const auto& lane : producer.lanes) {
-          if (lane == current) on = current;
-        }
-      }
-      parcel.ready = record_event(on);
-    }
+    const c10::optional<c10::Stream> on = stream_of ? stream_of(from, key.item) : producer.compute;
+    // A consumer on the producer's stream (a lane) launches after this send,
+    // so its kernels follow the producer's without an event (Note [Lanes]).
+    const bool same_stream = key.kind != Key::Skip && map_.holds(to) &&
+                             (stream_of ? stream_of(to, key.item) : place(to).compute) == on;
+    if (on && !same_stream) parcel.ready = record_event(*on);
   }
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
   {
@@ -142,7 +137,8 @@ MPIPE_FUNC Tensors LocalTransport::accept(int64_t to, int64_t item, Tensors valu
 // ~~~~~~~~~~~~~~~~
 // Every CUDA stage launches its kernels on a compute stream of its own, so
 // stages that share a GPU still overlap. A value crosses from its producer to
-// stage `to` after the event recorded on the producer's stream (`ready`):
+// stage `to` after the event recorded on the producer's stream (`ready`;
+// none where the consumer computes on that same stream, a lane: Note [Lanes]):
 //  - same CUDA device: the consumer's stream waits for the event, and the value
 //    is record_stream'ed on it (the allocator must not reuse its memory while
 //    the consumer may still read it);

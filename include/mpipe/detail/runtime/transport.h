@@ -33,7 +33,7 @@ struct StagePlace {
   c10::optional<c10::Stream> compute;
   /// Copies from the previous stage's device, when that is another accelerator.
   c10::optional<c10::Stream> copy_in;
-  /// Lanes 1, 2, ... of the stage's forward (lane 0 is `compute`; Note [Lanes]).
+  /// The lanes of the stage's device, which its stages share (Note [Lanes]).
   std::vector<c10::Stream> lanes;
 };
 
