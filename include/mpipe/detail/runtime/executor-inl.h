@@ -92,8 +92,8 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // kernels, only their order on the GPU changes. lanes(0) chooses one lane per
 // micro-batch, up to 8, in a forward replayed from a graph (a replay pays
 // nothing on the host per lane), and the stages' own streams in eager calls,
-// where lanes cost host time (their events, and the lost overlap between
-// stages is not won back by the micro-batches').
+// where the device's lanes measured no faster (narrow-mlp, lanes(2): 6.5-7.4
+// ms against 5.7-7.6 on the stages' streams, one H200).
 
 MPIPE_FUNC void Executor::ensure_lanes(int64_t k) {
   for (StagePlace& stage : stages_) {
