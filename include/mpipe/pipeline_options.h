@@ -92,8 +92,8 @@ struct ModelPipelineOptions {
   /// in a forward replayed from a CUDA graph, one lane per micro-batch up to 8
   /// (a replay adds no host cost per lane, and more lanes measured faster; each
   /// lane holds its micro-batch's activations in the graph's memory), and 1
-  /// (one stream per stage) in eager calls, where a stage's own stream overlaps
-  /// it with the others at a lower host cost (bench/RESULTS.md). See Note [Lanes].
+  /// (one stream per stage) in eager calls, where the GPU's lanes measured no
+  /// faster (bench/RESULTS.md). See Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 0;
   /// train_step under autocast: each mpipe::Linear weight (float32) is cast
   /// once per step and stage, and the micro-batches' gradients of that cast
