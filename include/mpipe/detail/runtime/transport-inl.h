@@ -26,12 +26,11 @@ MPIPE_FUNC LocalTransport::LocalTransport(const std::vector<StagePlace>& stages,
 MPIPE_FUNC void LocalTransport::send(int64_t from, int64_t to, const Key& key, Tensors values) {
   Parcel parcel{std::move(values), nullptr, from};
   if (from >= 0) {
-    const StagePlace& producer = place(from);
-    const c10::optional<c10::Stream> on = stream_of ? stream_of(from, key.item) : producer.compute;
+    const c10::optional<c10::Stream> on = compute_of(from, key.item);
     // A consumer on the producer's stream (a lane) launches after this send,
     // so its kernels follow the producer's without an event (Note [Lanes]).
-    const bool same_stream = key.kind != Key::Skip && map_.holds(to) &&
-                             (stream_of ? stream_of(to, key.item) : place(to).compute) == on;
+    const bool same_stream =
+        key.kind != Key::Skip && map_.holds(to) && compute_of(to, key.item) == on;
     if (on && !same_stream) parcel.ready = record_event(*on);
   }
   const auto where = std::make_pair(key.kind == Key::Skip ? int64_t{-1} : to, key);
@@ -154,7 +153,7 @@ MPIPE_FUNC at::Tensor LocalTransport::move(const at::Tensor& value,
                                            const std::shared_ptr<c10::Event>& ready, int64_t to,
                                            int64_t item) const {
   const StagePlace& stage = place(to);
-  const c10::optional<c10::Stream> compute = stream_of ? stream_of(to, item) : stage.compute;
+  const c10::optional<c10::Stream> compute = compute_of(to, item);
   const c10::Device src = value.device();
   if (src == stage.device) {
     if (compute) {

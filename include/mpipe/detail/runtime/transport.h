@@ -158,6 +158,10 @@ class LocalTransport : public Transport {
     return stages_[map_.at(stage)];
   }
   size_t slot(int64_t to) const { return map_.at(to); }
+  /// The stream local stage `j` computes item `item` on (stream_of, else its compute stream).
+  c10::optional<c10::Stream> compute_of(int64_t j, int64_t item) const {
+    return stream_of ? stream_of(j, item) : place(j).compute;
+  }
   at::Tensor move(const at::Tensor& value, const std::shared_ptr<c10::Event>& ready, int64_t to,
                   int64_t item) const;
 
