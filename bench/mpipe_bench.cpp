@@ -245,7 +245,7 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
               [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
       // Two streams per stage (Note [Lanes]), eager and graphed; graphed
       // with 4 and 8 (8: what a replay of 8 micro-batches chooses itself).
-      for (const auto& lg : std::vector<std::pair<int64_t, bool>>{{2, false}, {2, true}, {4, true}, {8, true}}) {
+      for (const auto& lg : std::vector<std::pair<int64_t, bool>>{{1, false}, {2, false}, {2, true}, {4, true}, {8, true}}) {
         mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
                                        .worker_threads(!inline_host)
                                        .lanes(lg.first)
@@ -850,9 +850,11 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
   // The three are timed in turn within each repetition (interleaved_ms): the
   // machine's speed drifts by tens of percent between runs, and a difference
   // of a few µs per call would drown in it.
-  auto make = [&](bool threads) {
-    mpipe::ModelPipeline pipe(
-        mpipe::ModelPipelineOptions().worker_threads(threads).auto_cuda_graphs(false));
+  auto make = [&](bool threads, int64_t lanes = 0) {
+    mpipe::ModelPipeline pipe(mpipe::ModelPipelineOptions()
+                                  .worker_threads(threads)
+                                  .lanes(lanes)
+                                  .auto_cuda_graphs(false));
     for (auto& st : stages) pipe->append(st, device);
     return pipe;
   };
@@ -860,17 +862,25 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
   json r;
   {
     torch::NoGradGuard no_grad;
-    const auto ms = interleaved_ms(timer, {[&] {
-                                             for (int i = 0; i < 8; ++i) {
-                                               torch::Tensor h = x.narrow(0, i, 1);
-                                               for (auto& st : stages) h = st->forward(h);
-                                             }
-                                           },
-                                           [&] { threaded->forward(x, 1); },
-                                           [&] { inline_->forward(x, 1); }});
+    std::vector<std::function<void()>> calls = {[&] {
+                                                  for (int i = 0; i < 8; ++i) {
+                                                    torch::Tensor h = x.narrow(0, i, 1);
+                                                    for (auto& st : stages) h = st->forward(h);
+                                                  }
+                                                },
+                                                [&] { threaded->forward(x, 1); },
+                                                [&] { inline_->forward(x, 1); }};
+    // On a GPU also each stage on its own stream (lanes(1)): an event per hand-off.
+    mpipe::ModelPipeline own_streams = make(true, 1);
+    if (timer.cuda) calls.push_back([&] { own_streams->forward(x, 1); });
+    const auto ms = interleaved_ms(timer, calls);
     r["plain_32_calls_us"] = 1e3 * ms[0];
     r["forward_threads_us"] = 1e3 * ms[1];
     r["forward_inline_us"] = 1e3 * ms[2];
+    if (timer.cuda) {
+      r["forward_threads_lanes1_us"] = 1e3 * ms[3];
+      r["forward_threads_lanes1_added_per_task_us"] = (ms[3] - ms[0]) * 1e3 / 32;
+    }
   }
   {
     const auto ms = interleaved_ms(timer, {[&] {

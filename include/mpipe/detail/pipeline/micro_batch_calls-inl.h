@@ -59,10 +59,8 @@ MPIPE_FUNC Plan forward_plan(const PipelineView& p, const CallInfo& info,
   const int64_t lanes_option = p.options().lanes();
   TORCH_CHECK(lanes_option >= 0, "mpipe::ModelPipeline::forward: ModelPipelineOptions::"
               "lanes must be 0 (automatic) or positive, got ", lanes_option);
-  // lanes(0): a replay spreads a stage's micro-batches over up to 8 streams
-  // (it has no host cost per launch to add); eager calls keep one (Note [Lanes]).
-  int64_t lanes = lanes_option > 0 ? lanes_option
-                 : (p.graphs.in_graph_run() ? std::min<int64_t>(spec.n_items, 8) : 1);
+  // lanes(0): one lane per micro-batch, up to 8 (Note [Lanes]).
+  int64_t lanes = lanes_option > 0 ? lanes_option : std::min<int64_t>(spec.n_items, 8);
   // Under autocast a stage's micro-batches share the casts of its weights
   // (Note [Autocast in the pipeline]), made on the stream of the first: other
   // lanes would read them unordered.
