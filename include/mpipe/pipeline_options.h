@@ -88,12 +88,12 @@ struct ModelPipelineOptions {
   /// micro-batches); results are the same. Only stages that hold no state (no
   /// buffers, no stateful modules) use lanes; the others, training steps,
   /// time-step calls and calls under autocast (whose micro-batches share a
-  /// stage's weight casts) use one stream per stage. 0 (the default) chooses:
-  /// in a forward replayed from a CUDA graph, one lane per micro-batch up to 8
-  /// (a replay adds no host cost per lane, and more lanes measured faster; each
-  /// lane holds its micro-batch's activations in the graph's memory), and 1
-  /// (one stream per stage) in eager calls, where the GPU's lanes measured no
-  /// faster (bench/RESULTS.md). See Note [Lanes].
+  /// stage's weight casts) use one stream per stage. 0 (the default) chooses
+  /// one lane per micro-batch, up to 8: a replay from a CUDA graph adds no host
+  /// cost per lane, and an eager call spares an event per hand-off between
+  /// stages of one GPU (TBD-GPU: measured figures). Each lane keeps its
+  /// micro-batch's memory (in a replay, in the graph's memory); lanes(1), one
+  /// stream per stage, keeps the least. See Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 0;
   /// train_step under autocast: each mpipe::Linear weight (float32) is cast
   /// once per step and stage, and the micro-batches' gradients of that cast

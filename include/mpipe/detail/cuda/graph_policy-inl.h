@@ -24,15 +24,6 @@
 namespace mpipe {
 namespace detail {
 
-/// Sets a flag for its lifetime.
-struct ScopedFlag {
-  bool& on;
-  explicit ScopedFlag(bool& flag) : on(flag) { on = true; }
-  ~ScopedFlag() { on = false; }
-  ScopedFlag(const ScopedFlag&) = delete;
-  ScopedFlag& operator=(const ScopedFlag&) = delete;
-};
-
 /// The cache's key of a graphed call: `key` and every module's training flag.
 MPIPE_FUNC std::string graph_key(const torch::nn::Module& pipeline, const GraphKey& key) {
   // A capture fixes each module's branch on its training flag: a stage put
@@ -88,7 +79,6 @@ MPIPE_FUNC at::Tensor GraphPolicy::replay(ModelPipelineImpl& pipeline, const std
                                           const std::vector<at::Tensor>& watched,
                                           const at::Tensor& x, const Eager& eager) {
   PlainDraws plain;  // a replay draws what its capture drew (Note [Random draws])
-  ScopedFlag graph_run(in_graph_run_);  // lanes(0) means up to 8 lanes in a graph (Note [Lanes])
   at::Tensor out = run_graphed(
       *cache_, key, x, watched, [&](const at::Tensor& in) { return eager(in, /*threaded=*/false); },
       [&pipeline] { reset_states(pipeline); });

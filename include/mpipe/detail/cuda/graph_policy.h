@@ -51,9 +51,6 @@ class GraphPolicy {
   /// Drops every graph: parameters moved or stages changed.
   void drop();
 
-  /// A no-grad call is being captured: lanes(0) means up to 8 lanes.
-  bool in_graph_run() const { return in_graph_run_; }
-
  private:
   /// Note [Automatic CUDA graphs]: what auto-capture knows of each key.
   struct AutoGraph {
@@ -84,7 +81,6 @@ class GraphPolicy {
   AutoGraph& seen(const std::string& key);
 
   std::shared_ptr<GraphCache> cache_;  // null without CUDA
-  bool in_graph_run_ = false;
   std::map<std::string, AutoGraph> auto_graphs_;
 };
 

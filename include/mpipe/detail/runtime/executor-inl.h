@@ -90,10 +90,10 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // backward follows each forward's stream) and time-step calls keep their
 // compute stream. The values are the same: each micro-batch runs the same
 // kernels, only their order on the GPU changes. lanes(0) chooses one lane per
-// micro-batch, up to 8, in a forward replayed from a graph (a replay pays
-// nothing on the host per lane), and the stages' own streams in eager calls,
-// where the device's lanes measured no faster (narrow-mlp, lanes(2): 6.5-7.4
-// ms against 5.7-7.6 on the stages' streams, one H200).
+// micro-batch, up to 8: a replay pays nothing on the host per lane, and an
+// eager call pays two driver calls per lane (fork and join) instead of an
+// event recorded and waited for at every hand-off between stages of one GPU
+// (TBD-GPU: the overhead workload's figures against lanes(1)).
 
 MPIPE_FUNC void Executor::ensure_lanes(int64_t k) {
   for (StagePlace& stage : stages_) {
