@@ -243,8 +243,8 @@ json mlp_workload(const Timer& timer, const torch::Device& device, int64_t width
       for (size_t s = 0; s < stages.size(); ++s) graphed->append(stages[s], devices[s]);
       guarded(r, "mpipe_graph_fwd_ms",
               [&] { return timer.median_ms([&] { graphed->forward(x, split); }); });
-      // Two streams per stage (Note [Lanes]), eager and graphed; graphed
-      // with 4 and 8 (8: what a replay of 8 micro-batches chooses itself).
+      // Eager with one stream per stage (lanes(1)) and two lanes per GPU;
+      // graphed with 2, 4 and 8 lanes (Note [Lanes]).
       for (const auto& lg : std::vector<std::pair<int64_t, bool>>{{1, false}, {2, false}, {2, true}, {4, true}, {8, true}}) {
         mpipe::ModelPipeline laned(mpipe::ModelPipelineOptions()
                                        .worker_threads(!inline_host)
@@ -847,7 +847,7 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
   auto loss_fn = [](const torch::Tensor& o, const torch::Tensor& t) { return (o - t).pow(2).mean(); };
   // The runtime's own cost: eager calls (no automatic graphs), with worker
   // threads and inline, against the plain loop of the same 32 stage calls.
-  // The three are timed in turn within each repetition (interleaved_ms): the
+  // They are timed in turn within each repetition (interleaved_ms): the
   // machine's speed drifts by tens of percent between runs, and a difference
   // of a few µs per call would drown in it.
   auto make = [&](bool threads, int64_t lanes = 0) {
