@@ -82,7 +82,9 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // launches after the producer's send), so those hand-offs need no event
 // (Note [Hand-offs]); up to k micro-batches run at once on the device. A
 // value crossing lanes or devices waits for its event as usual; fork() and
-// join() cover every lane, so a CUDA graph captures them too. Per-stage lanes
+// join() cover the streams the call uses (its lanes, the other stages' own
+// streams), so a CUDA graph captures them too and a call spends no driver
+// calls on streams it leaves idle. Per-stage lanes
 // (k streams per stage, an event per hand-off) measured 13-20 % slower on
 // narrow-mlp's replay than per-device ones with 8 lanes (bench/RESULTS.md).
 // Micro-batches of one stage are independent only when the stage keeps no
@@ -277,7 +279,8 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
       if (t.defined() && t.grad_fn()) run->stops.insert(t.grad_fn().get());
     }
   }
-  fork();
+  const std::vector<c10::Stream> streams = call_streams(call);
+  fork(streams);
   struct Detach {  // no message reaches the transport once this call is over
     CallLink* remote;
     ~Detach() {
@@ -343,38 +346,44 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
                                     call.n_items - 1);
     }
   }
-  join();  // also after a failure: the caller may free what the stages used
+  join(streams);  // also after a failure: the caller may free what the stages used
   run->saved.clear();  // a failed step leaves activations behind: drop them
   run->stage0_input.clear();
   if (run->error) std::rethrow_exception(run->error);
 }
 
-MPIPE_FUNC void Executor::fork() const {
+MPIPE_FUNC std::vector<c10::Stream> Executor::call_streams(const CallSpec& call) const {
+  std::vector<c10::Stream> out;
+  auto add = [&out](const c10::Stream& s) {
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  };
   for (size_t j = 0; j < stages_.size(); ++j) {
-    if (!stages_[j].compute) continue;
-    bool first_on_device = true;
-    for (size_t k = 0; k < j; ++k) first_on_device &= stages_[k].device != stages_[j].device;
-    if (!first_on_device) continue;
-    const auto event = record_event(current_stream(stages_[j].device));
-    for (const StagePlace& s : stages_) {
-      if (s.device != stages_[j].device) continue;
-      event->block(*s.compute);
+    const StagePlace& stage = stages_[j];
+    if (!stage.compute) continue;
+    if (call.lanes <= 1 || !call.lane_stages[j]) {
+      add(*stage.compute);
+      continue;
     }
-    for (const auto& lane : stages_[j].lanes) event->block(lane);  // the device's
+    for (int64_t k = 0; k < call.lanes; ++k) add(stage.lanes.at(static_cast<size_t>(k)));
+  }
+  return out;
+}
+
+MPIPE_FUNC void Executor::fork(const std::vector<c10::Stream>& streams) {
+  std::vector<std::pair<c10::Device, std::shared_ptr<c10::Event>>> entry;  // one per device
+  for (const c10::Stream& s : streams) {
+    auto it = std::find_if(entry.begin(), entry.end(),
+                           [&s](const auto& e) { return e.first == s.device(); });
+    if (it == entry.end()) {
+      entry.emplace_back(s.device(), record_event(current_stream(s.device())));
+      it = entry.end() - 1;
+    }
+    it->second->block(s);
   }
 }
 
-MPIPE_FUNC void Executor::join() const {
-  std::vector<c10::Stream> joined;  // stages of one device share their lanes
-  auto join_one = [&joined](const c10::Stream& s) {
-    if (std::find(joined.begin(), joined.end(), s) != joined.end()) return;
-    joined.push_back(s);
-    record_event(s)->block(current_stream(s.device()));
-  };
-  for (const StagePlace& s : stages_) {
-    if (s.compute) join_one(*s.compute);
-    for (const auto& lane : s.lanes) join_one(lane);
-  }
+MPIPE_FUNC void Executor::join(const std::vector<c10::Stream>& streams) {
+  for (const c10::Stream& s : streams) record_event(s)->block(current_stream(s.device()));
 }
 
 }  // namespace detail

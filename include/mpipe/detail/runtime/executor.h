@@ -185,16 +185,17 @@ class Executor {
   /// the stage, its device, the item and the phase.
   void run(CallSpec& call, const std::vector<StageForward>& forwards, bool threaded);
 
-  /// The caller's current stream on every stage device waits for every stage
-  /// stream there, so the caller sees all of the call's work (also that of a
-  /// backward pass the caller ran through the stages).
-  void join() const;
-
  private:
   struct Run;
 
-  /// Every stage stream waits for the caller's current stream on its device.
-  void fork() const;
+  /// The streams `call` computes on: a laned stage's first `call.lanes` lanes,
+  /// another stage's own stream (Note [Lanes]).
+  std::vector<c10::Stream> call_streams(const CallSpec& call) const;
+  /// Each of `streams` waits for the caller's current stream on its device.
+  static void fork(const std::vector<c10::Stream>& streams);
+  /// The caller's current stream on each of `streams`' devices waits for it,
+  /// so the caller sees all of the call's work.
+  static void join(const std::vector<c10::Stream>& streams);
   void forward_action(Run& run, int64_t stage, int64_t item, const char*& phase);
   /// B(item) (full backward) or, with `split`, I(item): the gradients of the
   /// stage's inputs only, keeping the graph for weight_action.
