@@ -91,7 +91,7 @@ struct ModelPipelineOptions {
   /// stage's weight casts) use one stream per stage. 0 (the default) chooses
   /// one lane per micro-batch, up to 8: a replay from a CUDA graph adds no host
   /// cost per lane, and an eager call spares an event per hand-off between
-  /// stages of one GPU (about 2.5-3.5 µs per task on one H100). Each lane keeps its
+  /// stages of one GPU (2.5-10 µs per task on H100s). Each lane keeps its
   /// micro-batch's memory (in a replay, in the graph's memory); lanes(1), one
   /// stream per stage, keeps the least. See Note [Lanes].
   TORCH_ARG(int64_t, lanes) = 0;

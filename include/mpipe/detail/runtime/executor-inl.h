@@ -95,8 +95,8 @@ MPIPE_FUNC void Executor::add_stage(c10::Device device) {
 // micro-batch, up to 8: a replay pays nothing on the host per lane, and an
 // eager call pays two driver calls per lane (fork and join) instead of an
 // event recorded and waited for at every hand-off between stages of one GPU
-// (the overhead workload's threaded forward on one H100: 4.8 and 11.0 µs
-// added per task, medians of two calls, against 8.3 and 13.5 with lanes(1);
+// (the overhead workload's threaded forward on H100s: 4.8, 11.0 and 18.7 µs
+// added per task, medians of three calls, against 8.3, 13.5 and 28.6 with lanes(1);
 // narrow-mlp's eager forward no slower, bench/RESULTS.md).
 
 MPIPE_FUNC void Executor::ensure_lanes(int64_t k) {
