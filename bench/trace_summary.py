@@ -8,7 +8,9 @@ Per trace: the call's span; the GPU's busy time (union of kernel intervals),
 per stream, and the kernels that took the most time; per host thread, its busy
 time (union of its top-level ops), kernel launches, and the top-level ops that
 took the most time (the autograd engine's thread shows as
-`autograd::engine::evaluate_function: ...`).
+`autograd::engine::evaluate_function: ...`), and its CUDA runtime and driver
+calls by total time ([api]: the same call taking longer on threads that
+launch at once shows their contention for the driver).
 """
 import argparse
 import collections
@@ -103,6 +105,16 @@ def summarise(path, top):
             v[1] += e["dur"]
         for name, (n, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
             print(f"      {d / 1000:8.2f} ms  {n:5d} x {d / n:7.1f} us  {name}")
+        # CUDA runtime and driver calls (nested in the ops above): where
+        # threads contend for the driver, the same call takes longer.
+        api = collections.defaultdict(lambda: [0, 0.0])
+        for e in evs:
+            if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+                v = api[e["name"][:60]]
+                v[0] += 1
+                v[1] += e["dur"]
+        for name, (n, d) in sorted(api.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"      {d / 1000:8.2f} ms  {n:5d} x {d / n:7.1f} us  [api] {name}")
 
 
 def main():

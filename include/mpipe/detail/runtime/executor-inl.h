@@ -297,6 +297,8 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
   }
 
   if (threaded) {
+    // Set before any program runs: only the last one to finish wakes the caller.
+    for (const auto& program : programs) run->expected += !program.empty();
     std::lock_guard<std::mutex> queue_lock(queue_mutex());  // Note [Shared streams and workers]
     for (size_t k = 0; k < programs.size(); ++k) {
       if (programs[k].empty()) continue;
@@ -305,10 +307,8 @@ MPIPE_FUNC void Executor::run(CallSpec& call, const std::vector<StageForward>& f
         Run& done = *r;
         r.reset();  // before the caller can move on (Note [Call ownership])
         std::lock_guard<std::mutex> lock(done.mutex);
-        ++done.finished;
-        done.done.notify_all();
+        if (++done.finished == done.expected) done.done.notify_all();
       });
-      ++run->expected;
     }
   }
   if (threaded) {
