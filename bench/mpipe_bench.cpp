@@ -871,8 +871,11 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
                                                 [&] { threaded->forward(x, 1); },
                                                 [&] { inline_->forward(x, 1); }};
     // On a GPU also each stage on its own stream (lanes(1)): an event per hand-off.
-    mpipe::ModelPipeline own_streams = make(true, 1);
-    if (timer.cuda) calls.push_back([&] { own_streams->forward(x, 1); });
+    mpipe::ModelPipeline own_streams{nullptr};
+    if (timer.cuda) {
+      own_streams = make(true, 1);
+      calls.push_back([&] { own_streams->forward(x, 1); });
+    }
     const auto ms = interleaved_ms(timer, calls);
     r["plain_32_calls_us"] = 1e3 * ms[0];
     r["forward_threads_us"] = 1e3 * ms[1];
