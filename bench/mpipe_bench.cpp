@@ -12,6 +12,8 @@
 #include "lm_costs.h"
 
 #include <ATen/Context.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -32,6 +34,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -41,6 +45,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -832,6 +837,70 @@ std::vector<double> interleaved_ms(const Timer& timer, const std::vector<std::fu
   return out;
 }
 
+/// The host's own latency for waking a sleeping thread (µs): half the round
+/// trip of a condition-variable ping-pong between two threads, median over
+/// the timer's repetitions of 200 round trips each. Worker threads pay it
+/// whenever a stage's input arrives while its thread sleeps.
+double wake_us(const Timer& timer) {
+  std::mutex m;
+  std::condition_variable cv;
+  int turn = 0;  // 1: the partner's move, 0: the main thread's; -1: stop
+  std::thread partner([&] {
+    std::unique_lock<std::mutex> lock(m);
+    for (;;) {
+      cv.wait(lock, [&] { return turn != 0; });
+      if (turn < 0) return;
+      turn = 0;
+      cv.notify_all();
+    }
+  });
+  const int64_t trips = 200;
+  const double ms = timer.median_ms([&] {
+    std::unique_lock<std::mutex> lock(m);
+    for (int64_t k = 0; k < trips; ++k) {
+      turn = 1;
+      cv.notify_all();
+      cv.wait(lock, [&] { return turn == 0; });
+    }
+  });
+  {
+    std::lock_guard<std::mutex> lock(m);
+    turn = -1;
+  }
+  cv.notify_all();
+  partner.join();
+  return 1e3 * ms / static_cast<double>(2 * trips);
+}
+
+/// `calls[k]` on thread k, all started at once (the threads are up and
+/// spinning before the clock starts, so no wake-up is timed) and on streams
+/// of their own on a GPU; returns when every thread is done. Where the
+/// threads take as long as one thread making all the calls, they contend
+/// (on a GPU: the driver's and the caching allocator's locks), however
+/// many vCPUs the host has.
+void on_threads_at_once(const torch::Device& device, const std::vector<std::function<void()>>& calls) {
+  std::atomic<int> ready{0}, done{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (const auto& call : calls) {
+    threads.emplace_back([&, call] {
+      c10::optional<c10::StreamGuard> stream;
+      if (device.is_cuda()) {
+        stream.emplace(c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device));
+      }
+      torch::NoGradGuard no_grad;
+      ++ready;
+      while (!go.load()) std::this_thread::yield();
+      call();
+      ++done;
+    });
+  }
+  while (ready.load() < static_cast<int>(calls.size())) std::this_thread::yield();
+  go = true;
+  while (done.load() < static_cast<int>(calls.size())) std::this_thread::yield();
+  for (auto& t : threads) t.join();
+}
+
 /// The runtime's own cost per task: 4 stages of one Linear(4, 4) and 8
 /// micro-batches of one row, so the work is nothing and the time is host
 /// overhead. Plain: the same 32 stage calls in a loop on the caller's thread.
@@ -878,6 +947,20 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
     }
     const auto ms = interleaved_ms(timer, calls);
     r["plain_32_calls_us"] = 1e3 * ms[0];
+    // The host, without mpipe: the same 32 calls as 4 threads of 8 (thread s
+    // calls stage s), started at once, against the plain loop's one thread,
+    // and the latency of waking a thread (docs/performance.md).
+    if (!timer.ops) {
+      std::vector<std::function<void()>> per_stage;
+      for (auto& st : stages) {
+        per_stage.push_back([&x, st]() mutable {
+          for (int i = 0; i < 8; ++i) st->forward(x.narrow(0, i, 1));
+        });
+      }
+      r["plain_32_calls_4_threads_us"] =
+          1e3 * timer.median_ms([&] { on_threads_at_once(device, per_stage); });
+      r["host_wake_us"] = wake_us(timer);
+    }
     r["forward_threads_us"] = 1e3 * ms[1];
     r["forward_inline_us"] = 1e3 * ms[2];
     if (timer.cuda) {
