@@ -35,8 +35,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -872,33 +872,42 @@ double wake_us(const Timer& timer) {
   return 1e3 * ms / static_cast<double>(2 * trips);
 }
 
-/// `calls[k]` on thread k, all started at once (the threads are up and
-/// spinning before the clock starts, so no wake-up is timed) and on streams
-/// of their own on a GPU; returns when every thread is done. Where the
-/// threads take as long as one thread making all the calls, they contend
-/// (on a GPU: the driver's and the caching allocator's locks), however
-/// many vCPUs the host has.
-void on_threads_at_once(const torch::Device& device, const std::vector<std::function<void()>>& calls) {
+/// `calls[k]` on a thread of its own, with `streams[k]` current if given,
+/// all started at once: the time (µs) from the start until the last thread
+/// is done and `sync` has returned on it. Each thread makes its call once
+/// before the start (its first use of the GPU's libraries) and spins until
+/// the start, so no thread's setup or wake-up is timed. Where the threads
+/// take as long as one thread making all the calls, they contend (on a GPU:
+/// for the driver's and the caching allocator's locks).
+double on_threads_at_once_us(const std::vector<std::function<void()>>& calls,
+                             const std::vector<c10::Stream>& streams,
+                             const std::function<void()>& sync) {
+  using clock = std::chrono::steady_clock;
+  const auto n = static_cast<int>(calls.size());
   std::atomic<int> ready{0}, done{0};
   std::atomic<bool> go{false};
+  clock::time_point start, end;
   std::vector<std::thread> threads;
-  for (const auto& call : calls) {
-    threads.emplace_back([&, call] {
+  for (size_t k = 0; k < calls.size(); ++k) {
+    threads.emplace_back([&, k] {
       c10::optional<c10::StreamGuard> stream;
-      if (device.is_cuda()) {
-        stream.emplace(c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device));
-      }
+      if (k < streams.size()) stream.emplace(streams[k]);
       torch::NoGradGuard no_grad;
+      calls[k]();
       ++ready;
       while (!go.load()) std::this_thread::yield();
-      call();
-      ++done;
+      calls[k]();
+      if (++done == n) {
+        sync();
+        end = clock::now();
+      }
     });
   }
-  while (ready.load() < static_cast<int>(calls.size())) std::this_thread::yield();
+  while (ready.load() < n) std::this_thread::yield();
+  start = clock::now();
   go = true;
-  while (done.load() < static_cast<int>(calls.size())) std::this_thread::yield();
   for (auto& t : threads) t.join();
+  return std::chrono::duration<double, std::micro>(end - start).count();
 }
 
 /// The runtime's own cost per task: 4 stages of one Linear(4, 4) and 8
@@ -952,13 +961,22 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
     // and the latency of waking a thread (docs/performance.md).
     if (!timer.ops) {
       std::vector<std::function<void()>> per_stage;
+      std::vector<c10::Stream> streams;  // the same four in every repetition
       for (auto& st : stages) {
         per_stage.push_back([&x, st]() mutable {
           for (int i = 0; i < 8; ++i) st->forward(x.narrow(0, i, 1));
         });
+        if (device.is_cuda()) {
+          streams.push_back(c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device));
+        }
       }
-      r["plain_32_calls_4_threads_us"] =
-          1e3 * timer.median_ms([&] { on_threads_at_once(device, per_stage); });
+      std::vector<double> us;
+      for (int64_t k = 0; k < timer.warmup + timer.reps; ++k) {
+        const double t = on_threads_at_once_us(per_stage, streams, [&timer] { timer.sync(); });
+        if (k >= timer.warmup) us.push_back(t);
+      }
+      std::sort(us.begin(), us.end());
+      r["plain_32_calls_4_threads_us"] = us[us.size() / 2];
       r["host_wake_us"] = wake_us(timer);
     }
     r["forward_threads_us"] = 1e3 * ms[1];
