@@ -21,6 +21,8 @@
 # its steps replayed from CUDA graphs), then eager (--graphs off), then --plain,
 # then --plain --micro-batches 1 (data
 # from .devdata/fortunes, extra flags in MPIPE_LM_FLAGS; loss curves come back);
+# overhead = mpipe_bench --only overhead, ${MPIPE_OVERHEAD_RUNS:-3} runs
+# (overhead1.json, ...; the runtime's and the host's cost per task);
 # ops = mpipe_bench --count-ops (the ATen operations of one call per row, on
 # the GPU's code paths) of $MPIPE_OPS_ONLY, by name in ops.tar.gz;
 # headeronly = mpipe_tests built against mpipe::mpipe_header_only (into
@@ -126,6 +128,12 @@ if [[ " $steps " == *" bench "* ]]; then
     step compare bash -o pipefail -c "python3 bench/compare.py '$out/mpipe_bench.json' \
       '$out/seed_bench.json' | tee '$out/compare.md'"
   fi
+fi
+if [[ " $steps " == *" overhead "* ]]; then
+  for i in $(seq "${MPIPE_OVERHEAD_RUNS:-3}"); do
+    step "overhead_$i" bash -o pipefail -c "'$bin/bench/mpipe_bench' --only overhead \
+      --json '$out/overhead$i.json' 2>&1 | tee -a '$log'"
+  done
 fi
 if [[ " $steps " == *" frompython "* ]]; then
   # examples/from_python end to end: Python scripts the model, the C++
