@@ -140,6 +140,13 @@ int64_t count_ops(const std::function<void()>& fn) {
   return op_count.total;
 }
 
+/// The median of `v` (the mean of the middle two for an even count).
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 struct Timer {
   bool cuda;
   int64_t reps, warmup;
@@ -164,9 +171,8 @@ struct Timer {
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                        .count());
     }
-    std::sort(ms.begin(), ms.end());
     profile_once(fn, [this] { sync(); });
-    return ms.size() % 2 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
+    return median(std::move(ms));
   }
   /// Waits for every GPU, not just the current one: stages may sit on several.
   void sync() const {
@@ -829,10 +835,7 @@ std::vector<double> interleaved_ms(const Timer& timer, const std::vector<std::fu
       ms[k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
   }
-  for (auto& m : ms) {
-    std::sort(m.begin(), m.end());
-    out.push_back(m.size() % 2 ? m[m.size() / 2] : (m[m.size() / 2 - 1] + m[m.size() / 2]) / 2);
-  }
+  for (auto& m : ms) out.push_back(median(std::move(m)));
   for (const auto& c : calls) profile_once(c, [&timer] { timer.sync(); });  // --profile
   return out;
 }
@@ -975,8 +978,7 @@ json overhead_workload(const Timer& timer, const torch::Device& device) {
         const double t = on_threads_at_once_us(per_stage, streams, [&timer] { timer.sync(); });
         if (k >= timer.warmup) us.push_back(t);
       }
-      std::sort(us.begin(), us.end());
-      r["plain_32_calls_4_threads_us"] = us[us.size() / 2];
+      r["plain_32_calls_4_threads_us"] = median(std::move(us));
       r["host_wake_us"] = wake_us(timer);
     }
     r["forward_threads_us"] = 1e3 * ms[1];
